@@ -1,0 +1,99 @@
+"""The one place numbers become text: bytes, seconds, ratios, counts and percentages.
+
+Conventions, used everywhere in kvtui:
+- memory sizes are binary (1 GiB = 2**30 bytes) and say so: "23.4 GiB". A GPU's "80 GB" on its
+  datasheet is 80 GiB of memory, so both sides of a budget use the same unit;
+- rates are decimal, as vendors state them: "3.35 TB/s", "989 TFLOP/s";
+- one decimal place, dropped when it rounds to a whole number ("80 GiB", "23.4 GiB").
+"""
+
+from __future__ import annotations
+
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_DECIMAL_PREFIXES = ("", "k", "M", "G", "T", "P", "E")
+
+
+def _one_decimal(value: float) -> str:
+    if value == int(value) or round(value, 1) == round(value):
+        return f"{round(value):,}"
+    return f"{value:,.1f}"
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units: 25165824000 -> "23.4 GiB", 85899345920 -> "80 GiB"."""
+    sign = "-" if n < 0 else ""
+    value = float(abs(n))
+    unit = 0
+    while value >= 1024 and unit < len(_BINARY_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{sign}{int(value):,} B"
+    if round(value, 1) >= 1024 and unit < len(_BINARY_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    return f"{sign}{_one_decimal(value)} {_BINARY_UNITS[unit]}"
+
+
+def _decimal(value: float, suffix: str) -> str:
+    """Three significant figures with a decimal prefix: 3.35e12 -> "3.35 T" + suffix."""
+    prefix = 0
+    while abs(value) >= 1000 and prefix < len(_DECIMAL_PREFIXES) - 1:
+        value /= 1000
+        prefix += 1
+    if abs(value) >= 100:
+        text = f"{value:.0f}"
+    elif abs(value) >= 10:
+        text = f"{value:.1f}".rstrip("0").rstrip(".")
+    else:
+        text = f"{value:.2f}".rstrip("0").rstrip(".")
+    return f"{text} {_DECIMAL_PREFIXES[prefix]}{suffix}"
+
+
+def format_bandwidth(bytes_per_s: float) -> str:
+    """A memory bandwidth, decimal: 3.35e12 -> "3.35 TB/s"."""
+    return _decimal(bytes_per_s, "B/s")
+
+
+def format_flops(flops: float) -> str:
+    """A count of floating-point operations, decimal: 1.6e10 -> "16 GFLOP"."""
+    return _decimal(flops, "FLOP")
+
+
+def format_flops_rate(flops_per_s: float) -> str:
+    """FLOP/s, decimal: 989.4e12 -> "989 TFLOP/s"."""
+    return _decimal(flops_per_s, "FLOP/s")
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration: 0.0123 -> "12.3 ms", 4.2e-5 -> "42.0 µs", 1.5 -> "1.50 s"."""
+    if seconds >= 1:
+        return f"{seconds:,.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.1f} µs"
+
+
+def format_ratio(ratio: float) -> str:
+    """A work or speed ratio: 16.5 -> "16.5x", 2048.5 -> "2,048.5x"."""
+    return f"{ratio:,.1f}x"
+
+
+def format_int(n: int) -> str:
+    """A whole number with thousands separators: 8390656 -> "8,390,656"."""
+    return f"{n:,}"
+
+
+def format_percent(fraction: float, digits: int = 0) -> str:
+    """A fraction as a percentage: 0.29296875 -> "29%"."""
+    return f"{fraction * 100:.{digits}f}%"
+
+
+def format_params(n: int) -> str:
+    """A parameter count: 8030261248 -> "8.03B", 124439808 -> "124M"."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            value = n / scale
+            text = f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+            return f"{text}{suffix}"
+    return str(n)

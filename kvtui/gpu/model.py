@@ -1,0 +1,256 @@
+"""The project's own decoder and its KV cache, in torch, without a UI.
+
+A Llama-style decoder in the manner of nanoGPT and gpt-fast (`model.py`): RMSNorm, rotary position
+embeddings, a SwiGLU MLP and grouped-query attention with fewer key/value heads than query heads, so
+that its KV cache has the same structure as the catalog models' and `kvtui.sim.memory` applies to it
+unchanged. The vocabulary is bytes (256 values): no tokenizer file.
+
+The same module serves training (`forward(idx)` over a whole sequence, causal) and decoding (with a
+`KVCache` per layer, writing the new keys and values at their positions).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape of a decoder. `head_dim` is `dim // n_head`."""
+
+    n_layer: int = 6
+    n_head: int = 8
+    n_kv_head: int = 2
+    dim: int = 256
+    intermediate_size: int = 512
+    vocab_size: int = 256
+    max_positions: int = 4096
+    """Rotary tables are built this long; decoding may run to here."""
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    head_dim_override: int | None = None
+    """Where head_dim is not `dim // n_head` (Gemma-2: 3584 / 16 heads, but head_dim 256)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.dim // self.n_head
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelArgs:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values of one layer, and how many positions are filled.
+
+    Buffers are `(batch, n_kv_head, max_len, head_dim)`; their bytes are exactly
+    `2 x batch x n_kv_head x max_len x head_dim x element size`: kvtui.sim's formula, one layer.
+    `length` is an integer that `update` advances: fullness is never inferred from the buffers.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        n_kv_head: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        shape = (batch, n_kv_head, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write `k`, `v` `(B, n_kv_head, T, head_dim)` at positions `start..start+T-1`; return
+        the keys and values of every position so far, `(B, n_kv_head, length, head_dim)`."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise IndexError(f"KV cache holds {self.max_len} positions; asked to write {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        self.length = max(self.length, end)
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(n_positions: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """cos and sin tables `(n_positions, head_dim // 2)` for rotary embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(n_positions, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs of `x` `(B, H, T, head_dim)` by its positions' angles `(T, head_dim // 2)`."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
+        self.q_dim = args.n_head * args.head_dim
+        self.kv_dim = args.n_kv_head * args.head_dim
+        self.wqkv = nn.Linear(args.dim, self.q_dim + 2 * self.kv_dim, bias=False)
+        self.wo = nn.Linear(self.q_dim, args.dim, bias=False)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, start: int
+    ) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.wqkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
+        S = k.shape[2]
+        # Grouped-query attention: each key/value head serves n_head // n_kv_head query heads.
+        repeat = self.n_head // self.n_kv_head
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+        if T == S:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif T == 1:
+            # One new query sees every cached key. Not is_causal: SDPA aligns that mask top-left,
+            # so a single query would see only key 0.
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:
+            # Several new queries after a cached prefix: causal mask aligned bottom-right.
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.q_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, start: int
+    ) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args.max_positions, args.head_dim, args.rope_base)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.caches: list[KVCache] | None = None
+
+    def init_weights(self, seed: int) -> None:
+        """Seeded initialisation as in nanoGPT: normal(0, 0.02), residual projections scaled."""
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue
+            std = (
+                0.02 / math.sqrt(2 * self.args.n_layer)
+                if name.endswith(("wo.weight", "w2.weight"))
+                else 0.02
+            )
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def setup_caches(self, batch: int, max_len: int) -> None:
+        """Preallocate one KV cache per layer for `max_len` positions."""
+        if max_len > self.args.max_positions:
+            raise ValueError(f"{max_len} positions is past the model's {self.args.max_positions}")
+        p = self.output.weight
+        self.caches = [
+            KVCache(
+                batch,
+                self.args.n_kv_head,
+                max_len,
+                self.args.head_dim,
+                dtype=p.dtype,
+                device=p.device,
+            )
+            for _ in self.layers
+        ]
+
+    def drop_caches(self) -> None:
+        self.caches = None
+
+    @property
+    def kv_bytes_allocated(self) -> int:
+        return sum(c.allocated_bytes for c in self.caches) if self.caches else 0
+
+    def forward(self, idx: Tensor, start: int = 0, use_cache: bool = False) -> Tensor:
+        """Logits `(B, T, vocab)` for tokens `idx` `(B, T)` at positions `start..start+T-1`.
+
+        With `use_cache`, each layer writes its new keys and values into its KV cache and attends
+        over everything cached so far; without, attention covers `idx` alone (causal).
+        """
+        T = idx.shape[1]
+        if start + T > self.args.max_positions:
+            raise ValueError(f"position {start + T} is past the model's {self.args.max_positions}")
+        caches = self.caches if use_cache else None
+        if use_cache and caches is None:
+            raise RuntimeError("setup_caches() first")
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        x = self.tok_embeddings(idx)  # (B, T, dim)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, caches[i] if caches else None, start)
+        return self.output(self.norm(x))

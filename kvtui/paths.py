@@ -1,0 +1,23 @@
+"""Where the shipped data lives: `assets/` in a checkout, `kvtui/assets/` in an installed wheel."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def assets_dir() -> Path:
+    """The folder holding the catalogs and the shipped weights."""
+    for candidate in (_PACKAGE_DIR / "assets", _PACKAGE_DIR.parent / "assets"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"kvtui's assets folder is missing (looked in {_PACKAGE_DIR / 'assets'} and "
+        f"{_PACKAGE_DIR.parent / 'assets'}); reinstall kvtui"
+    )
+
+
+def asset_path(name: str) -> Path:
+    """The path of one shipped file, by name."""
+    return assets_dir() / name

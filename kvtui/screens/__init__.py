@@ -1,0 +1,1 @@
+"""The lesson screens, one module per screen, named after what each teaches."""

@@ -1,0 +1,500 @@
+"""Known models, GPUs and number formats, looked up by name, without a UI.
+
+The figures live in `assets/models.json` and `assets/gpus.json`, each with the URL it was copied
+from; this module loads them once, on first use. `model_from_hf_config` reads a user's own Hugging
+Face `config.json` into the same `ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from kvtui.paths import asset_path
+
+GIB = 2**30
+
+
+class UnknownNameError(ValueError):
+    """A model, GPU or dtype name that is not in the catalog; the message suggests close names."""
+
+
+class ConfigError(ValueError):
+    """A config.json that cannot be read as a model; the message is one line for a person."""
+
+
+# --- number formats ------------------------------------------------------------------------------
+
+DTYPE_BYTES: dict[str, Fraction] = {
+    "fp32": Fraction(4),
+    "fp16": Fraction(2),
+    "bf16": Fraction(2),
+    "fp8": Fraction(1),
+    "int4": Fraction(1, 2),
+}
+"""Bytes per element of each storage format; int4 is half a byte, kept exact."""
+
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "float": "fp32",
+    "float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "int8": "fp8",
+    "4bit": "int4",
+}
+
+
+def dtype_names() -> list[str]:
+    """The storage formats kvtui knows, largest first."""
+    return list(DTYPE_BYTES)
+
+
+def normalize_dtype(name: str) -> str:
+    """The catalog name of a dtype (`bfloat16` -> `bf16`); UnknownNameError if there is none."""
+    key = str(name).strip().lower().removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise UnknownNameError(_unknown("dtype", name, list(DTYPE_BYTES)))
+    return key
+
+
+def dtype_bytes(name: str) -> Fraction:
+    """Bytes per element of a dtype, exact (`int4` -> 1/2)."""
+    return DTYPE_BYTES[normalize_dtype(name)]
+
+
+# --- specs ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer: what its KV cache and decode step cost."""
+
+    name: str
+    layers: int
+    heads: int
+    """Query heads per layer."""
+    kv_heads: int
+    """Key/value heads per layer (fewer than `heads` with grouped-query attention)."""
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    params: int
+    """All parameters (every expert of a mixture of experts)."""
+    max_context: int
+    """The longest context the model was built for (max_position_embeddings)."""
+    default_dtype: str = "bf16"
+    """The dtype its weights are published in."""
+    display_name: str = ""
+    sliding_window: int | None = None
+    """Tokens a sliding-window layer keeps; None when no layer slides."""
+    sliding_layers: tuple[int, ...] = ()
+    """Indices of the layers that use `sliding_window` (the others attend to everything)."""
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention (DeepSeek): size of the cached latent; None without MLA."""
+    qk_rope_head_dim: int | None = None
+    """MLA: the rotary part of the key, cached beside the latent."""
+    active_params: int | None = None
+    """Parameters used per token by a mixture of experts; None for a dense model."""
+    source: str = ""
+    """Where the figures come from (a URL, or the config file read)."""
+    notes: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.display_name or self.name
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def params_per_token(self) -> int:
+        """Parameters one decode step reads and multiplies (only the active experts of an MoE)."""
+        return self.active_params if self.active_params is not None else self.params
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer, the tokens it keeps in its cache: the window, or None for all of them."""
+        sliding = set(self.sliding_layers) if self.sliding_window is not None else set()
+        return tuple(self.sliding_window if i in sliding else None for i in range(self.layers))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "display_name": self.label,
+            "layers": self.layers,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "params": self.params,
+            "active_params": self.active_params,
+            "max_context": self.max_context,
+            "default_dtype": self.default_dtype,
+            "sliding_window": self.sliding_window,
+            "sliding_layers": list(self.sliding_layers),
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One accelerator: how much it holds, how fast it reads, how fast it multiplies."""
+
+    name: str
+    display_name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    """Peak memory bandwidth from the datasheet (decimal: 3.35 TB/s is 3.35e12)."""
+    peak_bf16_flops: float
+    """Peak dense BF16 tensor FLOP/s (FP16 where the part has no BF16)."""
+    source: str = ""
+    notes: str = ""
+
+    @property
+    def ridge_flops_per_byte(self) -> float:
+        """The roofline's ridge point: below this arithmetic intensity a kernel is memory-bound."""
+        return self.peak_bf16_flops / self.bandwidth_bytes_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "display_name": self.display_name,
+            "memory_bytes": self.memory_bytes,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "peak_bf16_flops": self.peak_bf16_flops,
+            "source": self.source,
+        }
+
+
+# --- catalogs ------------------------------------------------------------------------------------
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(str(name).lower(), known, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown {kind} {name!r}{hint} (known: {', '.join(known)})"
+
+
+def _sliding_layers(value: Any, layers: int) -> tuple[int, ...]:
+    if value == "all":
+        return tuple(range(layers))
+    if value == "even":
+        return tuple(range(0, layers, 2))
+    if value is None:
+        return ()
+    return tuple(int(i) for i in value)
+
+
+def _model_from_entry(entry: dict[str, Any]) -> ModelSpec:
+    layers = int(entry["layers"])
+    window = entry.get("sliding_window")
+    return ModelSpec(
+        name=entry["name"],
+        display_name=entry.get("display_name", ""),
+        layers=layers,
+        heads=int(entry["heads"]),
+        kv_heads=int(entry["kv_heads"]),
+        head_dim=int(entry["head_dim"]),
+        hidden_size=int(entry["hidden_size"]),
+        intermediate_size=int(entry["intermediate_size"]),
+        vocab_size=int(entry["vocab_size"]),
+        params=int(entry["params"]),
+        active_params=entry.get("active_params"),
+        max_context=int(entry["max_context"]),
+        default_dtype=normalize_dtype(entry.get("default_dtype", "bf16")),
+        sliding_window=window,
+        sliding_layers=_sliding_layers(entry.get("sliding_layers"), layers) if window else (),
+        kv_lora_rank=entry.get("kv_lora_rank"),
+        qk_rope_head_dim=entry.get("qk_rope_head_dim"),
+        source=entry.get("source", ""),
+        notes=entry.get("notes", ""),
+    )
+
+
+@cache
+def _models() -> dict[str, ModelSpec]:
+    data = json.loads(asset_path("models.json").read_text(encoding="utf-8"))
+    return {entry["name"]: _model_from_entry(entry) for entry in data["models"]}
+
+
+@cache
+def _gpus() -> dict[str, GPUSpec]:
+    data = json.loads(asset_path("gpus.json").read_text(encoding="utf-8"))
+    return {
+        entry["name"]: GPUSpec(
+            name=entry["name"],
+            display_name=entry["display_name"],
+            memory_bytes=int(entry["memory_gib"] * GIB),
+            bandwidth_bytes_per_s=float(entry["bandwidth_bytes_per_s"]),
+            peak_bf16_flops=float(entry["peak_bf16_flops"]),
+            source=entry.get("source", ""),
+            notes=entry.get("notes", ""),
+        )
+        for entry in data["gpus"]
+    }
+
+
+def model_names() -> list[str]:
+    """Names of the catalog's models, in catalog order."""
+    return list(_models())
+
+
+def gpu_names() -> list[str]:
+    """Names of the catalog's GPUs, in catalog order (smallest memory first)."""
+    return list(_gpus())
+
+
+def get_model(name: str) -> ModelSpec:
+    """A catalog model by name (case-insensitive); UnknownNameError suggests close names."""
+    models = _models()
+    try:
+        return models[str(name).strip().lower()]
+    except KeyError:
+        raise UnknownNameError(_unknown("model", name, list(models))) from None
+
+
+def get_gpu(name: str) -> GPUSpec:
+    """A catalog GPU by name (case-insensitive); UnknownNameError suggests close names."""
+    gpus = _gpus()
+    try:
+        return gpus[str(name).strip().lower()]
+    except KeyError:
+        raise UnknownNameError(_unknown("GPU", name, list(gpus))) from None
+
+
+# --- a user's own config.json --------------------------------------------------------------------
+
+
+def _first(config: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    return None
+
+
+def _positive_int(config: dict[str, Any], where: str, *keys: str, default: Any = None) -> int:
+    value = _first(config, *keys)
+    if value is None:
+        value = default
+    if value is None:
+        raise ConfigError(f"{where}: missing {' or '.join(keys)}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{where}: {keys[0]} must be a positive integer, not {value!r}")
+    return value
+
+
+def _hf_sliding(config: dict[str, Any], layers: int, max_context: int) -> tuple[int | None, tuple]:
+    """The sliding window and the layers that use it, as transformers would run the config."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None, ()
+    if config.get("use_sliding_window") is False or window >= max_context:
+        return None, ()
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == layers:
+        sliding = tuple(i for i, kind in enumerate(layer_types) if "sliding" in str(kind))
+    elif config.get("model_type") == "gemma2":
+        sliding = tuple(range(0, layers, 2))
+    elif config.get("use_sliding_window") is True and "max_window_layers" in config:
+        # Qwen2: layers from max_window_layers on use the window.
+        sliding = tuple(range(int(config["max_window_layers"]), layers))
+    else:
+        sliding = tuple(range(layers))
+    return (window, sliding) if sliding else (None, ())
+
+
+def estimate_params(
+    *,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    tied_embeddings: bool,
+    gpt2_style: bool = False,
+    max_context: int = 0,
+    attention_params: int | None = None,
+) -> int:
+    """Parameters of a dense decoder from its shape.
+
+    Llama style: q, k, v, o projections without bias, a gated MLP (3 matrices), two RMSNorm weights
+    per layer, a final norm, token embeddings and an LM head unless tied. GPT-2 style: biases,
+    LayerNorm weight and bias, a 2-matrix MLP, learned position embeddings, tied head. Exact for
+    the Llama 2/3 and GPT-2 catalog entries. `attention_params` replaces the per-layer attention
+    count where projections differ (multi-head latent attention).
+    """
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    attention = hidden_size * q_size + 2 * hidden_size * kv_size + q_size * hidden_size
+    if attention_params is not None:
+        attention = attention_params
+    if gpt2_style:
+        attention += q_size + 2 * kv_size + hidden_size  # biases
+        mlp = 2 * hidden_size * intermediate_size + intermediate_size + hidden_size
+        norms = 4 * hidden_size
+        extra = max_context * hidden_size + 2 * hidden_size  # wpe, ln_f
+    else:
+        mlp = 3 * hidden_size * intermediate_size
+        norms = 2 * hidden_size
+        extra = hidden_size  # final norm
+    embeddings = vocab_size * hidden_size * (1 if tied_embeddings else 2)
+    return layers * (attention + mlp + norms) + embeddings + extra
+
+
+def _moe_params(
+    config: dict[str, Any], hidden: int, layers: int, dense_mlp: int
+) -> tuple[int, int]:
+    """(all, active) MLP parameters of a mixture of experts, summed over layers."""
+    experts = int(_first(config, "n_routed_experts", "num_local_experts", "num_experts"))
+    per_token = int(_first(config, "num_experts_per_tok") or 2)
+    shared = int(config.get("n_shared_experts") or 0)
+    expert_size = int(_first(config, "moe_intermediate_size", "intermediate_size"))
+    dense_layers = int(config.get("first_k_dense_replace") or 0)
+    moe_layers = layers - dense_layers
+    expert = 3 * hidden * expert_size
+    all_mlp = dense_layers * dense_mlp + moe_layers * (
+        (experts + shared) * expert + hidden * experts
+    )
+    active_mlp = dense_layers * dense_mlp + moe_layers * ((per_token + shared) * expert)
+    return all_mlp, active_mlp
+
+
+def _mla_attention_params(config: dict[str, Any], hidden: int, heads: int) -> int:
+    """Per-layer parameters of DeepSeek's multi-head latent attention (low-rank q and kv)."""
+    rope = int(config.get("qk_rope_head_dim") or 0)
+    nope = int(config.get("qk_nope_head_dim") or 0)
+    v_dim = int(config.get("v_head_dim") or nope)
+    kv_rank = int(config["kv_lora_rank"])
+    q_rank = config.get("q_lora_rank")
+    if q_rank:
+        q = hidden * q_rank + q_rank + q_rank * heads * (nope + rope)
+    else:
+        q = hidden * heads * (nope + rope)
+    kv = hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)
+    return q + kv + heads * v_dim * hidden
+
+
+def model_from_hf_config(path: str | Path) -> ModelSpec:
+    """A ModelSpec from a Hugging Face `config.json` (Llama/Mistral/Qwen/Gemma/DeepSeek/GPT-2).
+
+    Parameters are estimated from the shape (see `estimate_params`) unless the config states
+    them. ConfigError, with one line that names the file, when it cannot be read or is incomplete.
+    """
+    path = Path(path)
+    where = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"cannot read {where}: {reason}") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where} is not a model config (expected a JSON object)")
+    if isinstance(config.get("text_config"), dict):  # multimodal wrappers keep the LM inside
+        config = {**config["text_config"], "torch_dtype": config.get("torch_dtype")}
+
+    gpt2_style = "n_layer" in config and "num_hidden_layers" not in config
+    layers = _positive_int(config, where, "num_hidden_layers", "n_layer")
+    heads = _positive_int(config, where, "num_attention_heads", "n_head")
+    hidden = _positive_int(config, where, "hidden_size", "n_embd", "d_model")
+    kv_heads = _positive_int(config, where, "num_key_value_heads", default=heads)
+    vocab = _positive_int(config, where, "vocab_size")
+    max_context = _positive_int(config, where, "max_position_embeddings", "n_positions")
+    intermediate = _positive_int(
+        config, where, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden
+    )
+    kv_lora_rank = config.get("kv_lora_rank")
+    qk_rope = config.get("qk_rope_head_dim")
+    if kv_lora_rank is not None:
+        kv_lora_rank = _positive_int(config, where, "kv_lora_rank")
+        qk_rope = _positive_int(config, where, "qk_rope_head_dim", default=0)
+        head_dim = int(config.get("qk_nope_head_dim") or 0) + qk_rope or hidden // heads
+    elif config.get("head_dim") is not None:
+        head_dim = _positive_int(config, where, "head_dim")
+    elif hidden % heads:
+        raise ConfigError(f"{where}: hidden size {hidden} is not a multiple of {heads} heads")
+    else:
+        head_dim = hidden // heads
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: {heads} attention heads do not group into {kv_heads} kv heads")
+
+    dtype_name = _first(config, "torch_dtype", "dtype") or ("float32" if gpt2_style else "bf16")
+    try:
+        default_dtype = normalize_dtype(dtype_name)
+    except UnknownNameError:
+        default_dtype = "bf16"
+    if isinstance(config.get("quantization_config"), dict):
+        method = str(config["quantization_config"].get("quant_method", "")).lower()
+        bits = config["quantization_config"].get("bits")
+        if method == "fp8":
+            default_dtype = "fp8"
+        elif bits == 4 or method in ("awq", "gptq") and bits in (None, 4):
+            default_dtype = "int4"
+    window, sliding = _hf_sliding(config, layers, max_context)
+
+    tied = bool(config.get("tie_word_embeddings", True))
+    params = config.get("num_parameters") or config.get("n_params")
+    active = None
+    if not isinstance(params, int) or params <= 0:
+        params = estimate_params(
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            vocab_size=vocab,
+            tied_embeddings=tied or gpt2_style,
+            gpt2_style=gpt2_style,
+            max_context=max_context,
+            attention_params=(
+                _mla_attention_params(config, hidden, heads) if kv_lora_rank is not None else None
+            ),
+        )
+        if _first(config, "n_routed_experts", "num_local_experts", "num_experts"):
+            dense_mlp = 3 * hidden * intermediate
+            all_mlp, active_mlp = _moe_params(config, hidden, layers, dense_mlp)
+            params, active = (
+                params - layers * dense_mlp + all_mlp,
+                params - layers * dense_mlp + active_mlp,
+            )
+
+    return ModelSpec(
+        name=path.parent.name or path.stem,
+        display_name=f"{path.parent.name or path.stem} (from {path.name})",
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        vocab_size=vocab,
+        params=params,
+        active_params=active,
+        max_context=max_context,
+        default_dtype=default_dtype,
+        sliding_window=window,
+        sliding_layers=sliding,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope if kv_lora_rank is not None else None,
+        source=where,
+    )

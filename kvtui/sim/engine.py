@@ -1,0 +1,139 @@
+"""A decode engine with no torch: steps counted by kvtui.sim and timed by the roofline.
+
+`sim:MODEL@GPU` runs a catalog model on a catalog GPU on paper: each step's positions, FLOPs and
+bytes come from kvtui.sim.work, its time is the roofline's (the slower of compute and memory at
+peak), and the KV cache grows by kvtui.sim.memory's formula until the GPU is full, where the run
+stops "out of memory", as a real one would. The tokens are a fixed passage of Austen (the same for
+both loops: a cache changes the work, never the answer). For laptops, demos and deterministic tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvtui.format import format_bytes
+from kvtui.sim.catalog import GPUSpec, ModelSpec, UnknownNameError, get_gpu, get_model
+from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, kv_bytes_per_token, weights_bytes
+from kvtui.sim.steps import EngineError, Loop, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.sim.work import (
+    decode_step_bytes,
+    decode_step_flops,
+    roofline_seconds,
+    uncached_step_bytes,
+    uncached_step_flops,
+)
+from kvtui.text import Utf8Stream, encode_bytes
+
+PASSAGE = (
+    " a single man in possession of a good fortune, must be in want of a wife. However little "
+    "known the feelings or views of such a man may be on his first entering a neighbourhood, this "
+    "truth is so well fixed in the minds of the surrounding families, that he is considered the "
+    "rightful property of some one or other of their daughters.\n\n"
+)
+"""What the sim engine "generates", byte by byte (Pride and Prejudice, chapter 1)."""
+
+
+@dataclass
+class SimEngine:
+    settings: RunSettings
+    model: ModelSpec
+    gpu: GPUSpec
+    weights_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+
+    @classmethod
+    def from_settings(cls, settings: RunSettings) -> SimEngine:
+        model_name, at, gpu_name = settings.engine.partition(":")[2].partition("@")
+        if not at or not model_name or not gpu_name:
+            raise EngineError("sim: needs MODEL@GPU, e.g. sim:llama-3.1-8b@h100")
+        try:
+            engine = cls(settings, get_model(model_name), get_gpu(gpu_name))
+        except UnknownNameError as exc:
+            raise EngineError(str(exc)) from exc
+        weights = weights_bytes(engine.model, engine.weights_dtype)
+        if weights + RUNTIME_RESERVE_BYTES > engine.gpu.memory_bytes:
+            raise EngineError(
+                f"{engine.model.label}'s weights ({format_bytes(weights)}) do not fit in "
+                f"{engine.gpu.display_name} ({format_bytes(engine.gpu.memory_bytes)})"
+            )
+        return engine
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(encode_bytes(self.settings.prompt))
+
+    def started(self) -> RunStarted:
+        m = self.model
+        return RunStarted(
+            engine=self.settings.engine,
+            model=m.name,
+            device=f"sim: {self.gpu.display_name}",
+            dtype=self.weights_dtype,
+            layers=m.layers,
+            kv_heads=m.kv_heads,
+            head_dim=m.head_dim,
+            kv_bytes_per_token=kv_bytes_per_token(m, self.kv_dtype),
+            weights_bytes=weights_bytes(m, self.weights_dtype),
+            prompt_tokens=self.prompt_tokens,
+            tokens=self.settings.tokens,
+            threads=0,
+            peak_bandwidth_bytes_per_s=self.gpu.bandwidth_bytes_per_s,
+            device_memory_total_bytes=self.gpu.memory_bytes,
+        )
+
+    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
+        m, P = self.model, self.prompt_tokens
+        text = Utf8Stream()
+        passage = PASSAGE.encode("utf-8")
+        room = self.gpu.memory_bytes - RUNTIME_RESERVE_BYTES - weights_bytes(m, self.weights_dtype)
+        for i in range(self.settings.tokens):
+            context = P + i  # keys and values held once this step is done
+            if loop == "cached":
+                computed = P if i == 0 else 1
+                if i == 0:
+                    flops = uncached_step_flops(m, P)
+                    read = uncached_step_bytes(m, P, self.weights_dtype, self.kv_dtype)
+                else:
+                    flops = decode_step_flops(m, context)
+                    read = decode_step_bytes(m, context, self.weights_dtype, self.kv_dtype)
+                held = kv_bytes(m, context, 1, self.kv_dtype)
+                if held > room:
+                    yield RunFinished(
+                        loop, "out_of_memory", i, f"out of memory at {context:,} tokens"
+                    )
+                    return
+            else:
+                computed = P + i
+                flops = uncached_step_flops(m, computed)
+                read = uncached_step_bytes(m, computed, self.weights_dtype, self.kv_dtype)
+                held = 0
+            seconds = roofline_seconds(flops, read, self.gpu)
+            if self.settings.replay_speed > 0:
+                time.sleep(seconds / self.settings.replay_speed)
+            token = passage[i % len(passage)]
+            yield StepSample(
+                loop=loop,
+                step=i,
+                position=P + i,
+                token_id=token,
+                text=text.push(token),
+                positions_computed=computed,
+                flops=flops,
+                bytes_read=read,
+                step_seconds=seconds,
+                kv_bytes=held,
+                device_memory_bytes=weights_bytes(m, self.weights_dtype) + held,
+            )
+        yield RunFinished(
+            loop,
+            "done",
+            self.settings.tokens,
+            kv_bytes_allocated=kv_bytes(m, P + self.settings.tokens, 1, self.kv_dtype)
+            if loop == "cached"
+            else None,
+        )
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,152 @@
+"""The engine protocol: plain, picklable records that every decode engine emits, without a UI.
+
+An engine (the torch `tiny` model, a `shape:` model, the roofline `sim:` engine, a `replay:` file)
+turns `RunSettings` into a stream of events: one `RunStarted`, then `StepSample`s of one or both
+loops, then one `RunFinished` per loop. Screens and `kvtui bench` only ever see these records, so
+they never care which engine produced them. Each record round-trips through a JSON dict
+(`to_json` / `event_from_json`) so that it can cross a pipe from the engine's own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+Loop = Literal["cached", "uncached"]
+LOOPS: tuple[Loop, ...] = ("uncached", "cached")
+
+DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
+
+
+class EngineError(ValueError):
+    """The engine cannot run these settings: one line for a person to read."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What to run: plain values, so a run can be started in another process."""
+
+    engine: str = "tiny"
+    """`tiny`, `shape:NAME`, `sim:NAME@GPU` or `replay:FILE`."""
+    device: str = "auto"
+    """`auto` (CUDA when present, else CPU), `cpu` or `cuda`."""
+    tokens: int = 256
+    """Tokens to generate after the prompt."""
+    prompt: str = DEFAULT_PROMPT
+    seed: int = 0
+    greedy: bool = False
+    temperature: float = 0.8
+    top_k: int = 40
+    loops: tuple[Loop, ...] = LOOPS
+    """Which loops to run; with both, they advance in lockstep (one step of each in turn)."""
+    threads: int = 1
+    """torch intra-op threads in the engine's process (1 beside a busy UI: see TRIALS.md)."""
+    replay_speed: float = 1.0
+    """For `replay:`: 1.0 is the recorded pace, 0 (or less) means as fast as possible."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "loops": list(self.loops)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunSettings:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        if "loops" in values:
+            values["loops"] = tuple(values["loops"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """Sent once, before the first step: what is running, and where."""
+
+    engine: str
+    model: str
+    device: str
+    """Where the steps run, in words: `cpu`, `cuda:0 (NVIDIA H100 80GB HBM3)`, `sim: h100`."""
+    dtype: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_bytes_per_token: int
+    weights_bytes: int
+    prompt_tokens: int
+    tokens: int
+    threads: int = 1
+    peak_bandwidth_bytes_per_s: float | None = None
+    device_memory_total_bytes: int | None = None
+    kind: str = field(default="started", init=False)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One decode step of one loop, as measured."""
+
+    loop: Loop
+    step: int
+    """0-based index of the generated token."""
+    position: int
+    """Position of the new token in the sequence (prompt_tokens + step)."""
+    token_id: int
+    text: str
+    """The text this token completes (UTF-8 safe: may be empty mid-character)."""
+    positions_computed: int
+    """Keys and values computed this step: 1 cached (prompt_tokens + 1 on the first), all so far
+    uncached."""
+    flops: int
+    bytes_read: int
+    step_seconds: float
+    """Wall time of the step, measured after synchronising the device."""
+    kv_bytes: int
+    """KV-cache bytes held after the step (0 for the uncached loop, which keeps none)."""
+    device_memory_bytes: int | None = None
+    kind: str = field(default="step", init=False)
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """Sent once per loop when it ends."""
+
+    loop: Loop
+    reason: Literal["done", "cancelled", "out_of_memory", "error"]
+    steps: int
+    message: str = ""
+    kv_bytes_allocated: int | None = None
+    """Bytes of the KV-cache buffers this loop allocated, measured from the tensors."""
+    kind: str = field(default="finished", init=False)
+
+
+@dataclass(frozen=True)
+class RunFailed:
+    """The run could not start or the engine died: one line for a person to read."""
+
+    message: str
+    kind: str = field(default="failed", init=False)
+
+
+Event = RunStarted | StepSample | RunFinished | RunFailed
+
+_KINDS: dict[str, type] = {
+    "started": RunStarted,
+    "step": StepSample,
+    "finished": RunFinished,
+    "failed": RunFailed,
+}
+
+
+def to_json(event: Event) -> dict[str, Any]:
+    """A JSON-ready dict of an event, with its `kind`."""
+    return asdict(event)
+
+
+def event_from_json(data: dict[str, Any]) -> Event:
+    """The event a `to_json` dict describes; ValueError if it is not one."""
+    try:
+        cls = _KINDS[data["kind"]]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a kvtui event: {str(data)[:80]}") from exc
+    init = {f.name for f in fields(cls) if f.init}
+    try:
+        return cls(**{k: v for k, v in data.items() if k in init})
+    except TypeError as exc:
+        raise ValueError(f"malformed {data['kind']} event: {exc}") from exc

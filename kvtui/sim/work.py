@@ -1,0 +1,208 @@
+"""Exact decode-work counts, without a UI.
+
+An answer of `n` generated tokens follows a prompt of `p` tokens (p = 0 reproduces the lesson).
+Work is counted in *positions computed*: one position is one token's pass through the model,
+which produces that token's keys and values in every layer.
+
+- Without a cache, the step that emits token t (t = 1..n) recomputes every position so far:
+  p + t of them. Over the answer: n*p + n(n+1)/2.
+- With a cache, the first step computes the p prompt positions (the prefill) plus one, every later
+  step only the newest position: p + 1, then 1, 1, ... Over the answer: p + n.
+
+Prefill is folded into step 1 of the cached loop, which is what the engines report as
+`positions_computed` (prompt_tokens + 1 on the first cached step, 1 after).
+
+All counts are closed forms over Python integers: exact and instant for any n. The lesson's
+figures: n = 24 -> last step 24, total 300, wasted 276; n = 32 -> 528 against 32, 16.5x;
+n = 4096 -> 8,390,656 against 4,096.
+
+The second half prices one decode step of a real model in FLOPs and bytes read, after Kaplan et
+al. 2020 ("Scaling Laws for Neural Language Models", arXiv:2001.08361, section 2.1: a forward
+pass costs about 2N FLOPs per token plus attention over the context) and kipp.ly, "Transformer
+Inference Arithmetic" (2022, https://kipp.ly/transformer-inference-arithmetic/): each step reads
+every weight once plus the KV cache so far, so at batch 1 decode does about one multiply-add per
+byte read and is memory-bound on every GPU in the catalog.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvtui.sim.catalog import GPUSpec, ModelSpec, dtype_bytes
+from kvtui.sim.memory import cached_layer_positions, kv_bytes
+
+# --- positions computed --------------------------------------------------------------------------
+
+
+def _check(name: str, value: int, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, not {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, not {value}")
+
+
+def naive_step_positions(t: int, prompt: int = 0) -> int:
+    """Positions the uncached loop computes in the step that emits token t (1-based): p + t."""
+    _check("t", t, 1)
+    _check("prompt", prompt, 0)
+    return prompt + t
+
+
+def cached_step_positions(t: int, prompt: int = 0) -> int:
+    """Positions the cached loop computes in step t (1-based): p + 1 (prefill + 1), then 1."""
+    _check("t", t, 1)
+    _check("prompt", prompt, 0)
+    return prompt + 1 if t == 1 else 1
+
+
+def naive_cumulative(t: int, prompt: int = 0) -> int:
+    """Positions the uncached loop has computed after t steps: t*p + t(t+1)/2."""
+    _check("t", t, 0)
+    _check("prompt", prompt, 0)
+    return t * prompt + t * (t + 1) // 2
+
+
+def cached_cumulative(t: int, prompt: int = 0) -> int:
+    """Positions the cached loop has computed after t steps: p + t (0 before the first step)."""
+    _check("t", t, 0)
+    _check("prompt", prompt, 0)
+    return prompt + t if t else 0
+
+
+@dataclass(frozen=True)
+class WorkSummary:
+    """Work for one answer, both ways."""
+
+    length: int
+    """Tokens generated (n)."""
+    prompt: int
+    """Prompt tokens before them (p)."""
+    naive_last_step: int
+    """Positions the uncached loop computes for the last token: p + n."""
+    naive_total: int
+    """All positions the uncached loop computes: n*p + n(n+1)/2."""
+    cached_total: int
+    """All positions the cached loop computes: p + n."""
+    wasted: int
+    """Positions computed more than once: naive_total - cached_total."""
+    speedup: float
+    """naive_total / cached_total: how many times more work the uncached loop does."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def work_summary(length: int, prompt: int = 0) -> WorkSummary:
+    """The work of generating `length` tokens after `prompt` tokens, with and without a cache."""
+    _check("length", length, 1)
+    _check("prompt", prompt, 0)
+    naive = naive_cumulative(length, prompt)
+    cached = cached_cumulative(length, prompt)
+    return WorkSummary(
+        length=length,
+        prompt=prompt,
+        naive_last_step=naive_step_positions(length, prompt),
+        naive_total=naive,
+        cached_total=cached,
+        wasted=naive - cached,
+        speedup=naive / cached,
+    )
+
+
+# --- FLOPs and bytes of one step of a real model -------------------------------------------------
+
+
+def _weights_read_bytes(spec: ModelSpec, weights_dtype: str) -> int:
+    return math.ceil(spec.params_per_token * dtype_bytes(weights_dtype))
+
+
+def attention_flops(spec: ModelSpec, context_tokens: int) -> int:
+    """FLOPs of one query attending to `context_tokens` keys in every layer.
+
+    Scores (q . k) and the weighted sum of values each take one multiply-add per head dimension
+    per key: 2 x 2 x heads x head_dim per key per layer (kipp.ly; Kaplan et al. count only the
+    first half, 2 x n_layer x n_ctx x d_attn). Sliding-window layers attend to their window only.
+    """
+    _check("context_tokens", context_tokens, 0)
+    return 4 * spec.heads * spec.head_dim * cached_layer_positions(spec, context_tokens)
+
+
+def decode_step_flops(spec: ModelSpec, context_tokens: int, batch: int = 1) -> int:
+    """FLOPs of one cached decode step: about 2 x parameters + attention over the context.
+
+    `context_tokens` counts the keys the new token attends to, itself included. A mixture of
+    experts multiplies only its active parameters. (Kaplan et al. 2020, eq. 2.2: C_forward ~ 2N +
+    2 n_layer n_ctx d_attn; kipp.ly, "Transformer Inference Arithmetic".)
+    """
+    _check("batch", batch, 1)
+    return batch * (2 * spec.params_per_token + attention_flops(spec, context_tokens))
+
+
+def _causal_keys(positions: int, window: int | None) -> int:
+    """Keys attended over a causal pass of `positions` queries: sum of min(i, window), i=1..P."""
+    if window is None or positions <= window:
+        return positions * (positions + 1) // 2
+    return window * (window + 1) // 2 + (positions - window) * window
+
+
+def uncached_step_flops(spec: ModelSpec, positions: int, batch: int = 1) -> int:
+    """FLOPs of one uncached step that recomputes `positions` positions from scratch.
+
+    About 2 x parameters per position, plus causal attention: query i attends to i keys (its
+    window, in a sliding layer), 4 x heads x head_dim FLOPs per key.
+    """
+    _check("positions", positions, 1)
+    _check("batch", batch, 1)
+    keys = sum(_causal_keys(positions, w) for w in spec.layer_windows())
+    return batch * (2 * spec.params_per_token * positions + 4 * spec.heads * spec.head_dim * keys)
+
+
+def decode_step_bytes(
+    spec: ModelSpec,
+    context_tokens: int,
+    weights_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    batch: int = 1,
+) -> int:
+    """Bytes one cached decode step reads: every (active) weight once, plus the KV cache so far.
+
+    The weights are read once however large the batch; each sequence reads its own cache
+    (kipp.ly, "Transformer Inference Arithmetic": the memory-bound step time is
+    (2 x params + KV bytes) / bandwidth at fp16).
+    """
+    return _weights_read_bytes(spec, weights_dtype) + kv_bytes(
+        spec, context_tokens, batch, kv_dtype
+    )
+
+
+def uncached_step_bytes(
+    spec: ModelSpec, positions: int, weights_dtype: str = "bf16", kv_dtype: str = "bf16"
+) -> int:
+    """Bytes one uncached step reads, roughly: the weights once, plus the keys and values it
+    recomputes for `positions` positions (attention reads them back; nothing is kept)."""
+    _check("positions", positions, 1)
+    return _weights_read_bytes(spec, weights_dtype) + kv_bytes(spec, positions, 1, kv_dtype)
+
+
+def arithmetic_intensity(
+    spec: ModelSpec,
+    context_tokens: int,
+    weights_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    batch: int = 1,
+) -> float:
+    """FLOPs per byte read by one cached decode step.
+
+    About 1 at batch 1 in bf16 (2 FLOPs per 2-byte weight), far below any GPU's ridge point
+    (`GPUSpec.ridge_flops_per_byte`, hundreds of FLOPs per byte): decode is memory-bound.
+    """
+    flops = decode_step_flops(spec, context_tokens, batch)
+    return flops / decode_step_bytes(spec, context_tokens, weights_dtype, kv_dtype, batch)
+
+
+def roofline_seconds(flops: float, bytes_read: float, gpu: GPUSpec) -> float:
+    """The least time a step can take on `gpu`: the slower of its compute and its memory reads
+    at peak (Williams, Waterman and Patterson 2009, "Roofline")."""
+    return max(flops / gpu.peak_bf16_flops, bytes_read / gpu.bandwidth_bytes_per_s)

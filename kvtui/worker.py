@@ -1,0 +1,187 @@
+"""The decode engine in a process of its own, and the UI's handle on it. No torch in the parent.
+
+A torch decode thread and a Textual UI in one process fight for the GIL: in a trial on a 2-core
+machine decode fell from ~330 to ~157 tokens/s and the 99th-percentile step rose to 65 ms
+(shared/TRIALS.md). So the engine runs as `python -m kvtui.worker`: the parent writes the
+`RunSettings` as one JSON line on the child's stdin, then `pause`, `resume` or `stop` lines; the
+child writes each event as one JSON line on its stdout. A CUDA failure stays in the child.
+(`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
+fds_to_keep"; a plain `subprocess.Popen` with pipes does not.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+
+from kvtui.sim.steps import (
+    EngineError,
+    Event,
+    RunFailed,
+    RunSettings,
+    event_from_json,
+    to_json,
+)
+
+
+class EngineProcess:
+    """A run in a child process: start it, read its events, pause, resume, stop, close."""
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.settings = settings
+        self._proc: subprocess.Popen[str] | None = None
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtui.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            encoding="utf-8",
+            bufsize=1,
+            env=env,
+            start_new_session=True,  # the terminal's Ctrl-C goes to the UI, which stops us cleanly
+        )
+        self._send(json.dumps(self.settings.to_json()))
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None or self._proc.stdin is None:
+                return
+            with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+                self._proc.stdin.write(line + "\n")
+                self._proc.stdin.flush()
+
+    def pause(self) -> None:
+        self._send("pause")
+
+    def resume(self) -> None:
+        self._send("resume")
+
+    def stop(self) -> None:
+        self._send("stop")
+
+    def events(self) -> Iterator[Event]:
+        """Events as the child writes them; ends when it exits. A child that dies without
+        finishing yields a last `RunFailed` with the reason."""
+        if self._proc is None or self._proc.stdout is None:
+            raise RuntimeError("start() first")
+        finished = False
+        for line in self._proc.stdout:
+            try:
+                event = event_from_json(json.loads(line))
+            except (json.JSONDecodeError, ValueError):
+                continue  # stray output (a library's print): not ours
+            finished = finished or isinstance(event, RunFailed)
+            yield event
+        code = self._proc.wait()
+        if code != 0 and not finished:
+            yield RunFailed(self._death_message(code))
+
+    def _death_message(self, code: int) -> str:
+        self._stderr.seek(0)
+        lines = [line.strip() for line in self._stderr.read().splitlines() if line.strip()]
+        why = lines[-1] if lines else ""
+        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"decode engine {how}" + (f": {why}" if why else "")
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the child and reap it: a polite stop, then terminate, then kill."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self.stop()
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.close()  # EOF stops the child too
+            try:
+                proc.wait(timeout / 2)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                try:
+                    proc.wait(timeout / 2)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        for stream in (proc.stdout, proc.stdin):
+            with contextlib.suppress(OSError, ValueError):
+                if stream:
+                    stream.close()
+        self._stderr.close()
+
+
+# --- the child ----------------------------------------------------------------------------------
+
+
+def _read_commands(control) -> None:
+    """Apply `pause` / `resume` / `stop` lines from stdin; EOF (the parent went away) stops."""
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "pause":
+            control.pause()
+        elif command == "resume":
+            control.resume()
+        elif command == "stop":
+            control.stop()
+    control.stop()
+
+
+def child_main() -> int:
+    from kvtui.engines import RunControl, open_engine, run_events
+
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything a library prints must not corrupt the event stream
+
+    def emit(event: Event) -> None:
+        out.write(json.dumps(to_json(event), separators=(",", ":")) + "\n")
+        out.flush()
+
+    try:
+        settings = RunSettings.from_json(json.loads(sys.stdin.readline()))
+    except (json.JSONDecodeError, TypeError, ValueError) as exc:
+        emit(RunFailed(f"bad run settings: {exc}"))
+        return 2
+    control = RunControl()
+    threading.Thread(target=_read_commands, args=(control,), daemon=True).start()
+    engine = None
+    try:
+        engine = open_engine(settings)
+        for event in run_events(engine, settings, control):
+            emit(event)
+    except EngineError as exc:
+        emit(RunFailed(str(exc)))
+        return 2
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # the engine crashed: tell the UI in one line, keep the traceback
+        import traceback
+
+        traceback.print_exc()
+        emit(RunFailed(f"decode engine failed: {type(exc).__name__}: {exc}"))
+        return 1
+    finally:
+        if engine is not None:
+            engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(child_main())

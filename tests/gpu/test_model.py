@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from kvtui.gpu.model import KVCache, ModelArgs, Transformer
+from kvtui.sim.memory import kv_bytes
+
+from .conftest import SMALL
+
+
+def test_kv_cache_bytes_equal_the_formula():
+    model = Transformer(SMALL)
+    model.setup_caches(batch=1, max_len=300)
+    from kvtui.gpu.engine import spec_from_args
+
+    spec = spec_from_args("small", SMALL, model.num_params())
+    assert model.kv_bytes_allocated == kv_bytes(spec, 300, 1, "fp32")
+    assert (
+        model.kv_bytes_allocated == 300 * 2 * SMALL.n_layer * SMALL.n_kv_head * SMALL.head_dim * 4
+    )
+
+
+def test_kv_cache_update_writes_at_positions_and_counts_length():
+    cache = KVCache(1, 2, 8, 4)
+    k = torch.ones(1, 2, 3, 4)
+    keys, values = cache.update(0, k, 2 * k)
+    assert cache.length == 3 and keys.shape == (1, 2, 3, 4)
+    keys, values = cache.update(3, 3 * k[:, :, :1], 4 * k[:, :, :1])
+    assert cache.length == 4
+    assert keys[0, 0, :, 0].tolist() == [1, 1, 1, 3]
+    assert values[0, 0, :, 0].tolist() == [2, 2, 2, 4]
+    assert cache.k[0, 0, 4:].abs().sum() == 0  # nothing written past the length
+    with pytest.raises(IndexError):
+        cache.update(7, k, k)
+
+
+def test_decoding_with_the_cache_matches_the_full_forward_at_every_position(small_model):
+    """The trap of SDPA's top-left causal mask: one query against many cached keys must see them
+    all. Tokens fed one by one through the cache give the logits of one causal pass."""
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        full = small_model(ids)
+        small_model.setup_caches(1, 40)
+        head = small_model(ids[:, :10], start=0, use_cache=True)  # prefill
+        steps = [small_model(ids[:, i : i + 1], start=i, use_cache=True) for i in range(10, 33)]
+        chunk = small_model(ids[:, 33:], start=33, use_cache=True)  # several queries after a prefix
+    incremental = torch.cat([head, *steps, chunk], dim=1)
+    torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+
+
+def test_positions_past_the_rope_tables_are_refused(small_model):
+    with pytest.raises(ValueError, match="past the model"):
+        small_model(torch.zeros(1, SMALL.max_positions + 1, dtype=torch.long))
+
+
+def test_head_dim_can_differ_from_dim_over_heads():
+    args = ModelArgs(
+        n_layer=1, n_head=4, n_kv_head=2, dim=64, intermediate_size=64, head_dim_override=32
+    )
+    model = Transformer(args)
+    assert model.layers[0].attention.wqkv.out_features == 4 * 32 + 2 * 2 * 32
+    assert model(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, 256)

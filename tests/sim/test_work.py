@@ -1,0 +1,192 @@
+"""Exact decode-work counts: the lesson's figures, closed forms against brute force, step costs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvtui.format import format_int, format_ratio
+from kvtui.sim.catalog import get_gpu, get_model, model_names
+from kvtui.sim.memory import kv_bytes, weights_bytes
+from kvtui.sim.work import (
+    WorkSummary,
+    arithmetic_intensity,
+    attention_flops,
+    cached_cumulative,
+    cached_step_positions,
+    decode_step_bytes,
+    decode_step_flops,
+    naive_cumulative,
+    naive_step_positions,
+    roofline_seconds,
+    uncached_step_bytes,
+    uncached_step_flops,
+    work_summary,
+)
+
+# --- the lesson -----------------------------------------------------------------------------------
+
+
+def test_lesson_n24():
+    s = work_summary(24)
+    assert s.naive_last_step == 24
+    assert s.naive_total == 300
+    assert s.wasted == 276
+
+
+def test_lesson_n32():
+    s = work_summary(32)
+    assert (s.naive_total, s.cached_total) == (528, 32)
+    assert s.speedup == 16.5
+    assert format_ratio(s.speedup) == "16.5x"
+
+
+def test_lesson_n4096():
+    s = work_summary(4096)
+    assert (s.naive_total, s.cached_total) == (8_390_656, 4_096)
+    assert format_int(s.naive_total) == "8,390,656"
+    assert format_int(s.cached_total) == "4,096"
+
+
+def test_summary_json_keys():
+    assert set(work_summary(3, 2).to_json()) == {
+        "length",
+        "prompt",
+        "naive_last_step",
+        "naive_total",
+        "cached_total",
+        "wasted",
+        "speedup",
+    }
+
+
+def test_summary_is_frozen():
+    s = work_summary(5)
+    assert isinstance(s, WorkSummary)
+    with pytest.raises(AttributeError):
+        s.length = 6  # type: ignore[misc]
+
+
+# --- closed forms against brute force -------------------------------------------------------------
+
+
+@given(n=st.integers(1, 400), p=st.integers(0, 400))
+def test_totals_match_brute_force(n, p):
+    naive = sum(naive_step_positions(t, p) for t in range(1, n + 1))
+    cached = sum(cached_step_positions(t, p) for t in range(1, n + 1))
+    s = work_summary(n, p)
+    assert naive == naive_cumulative(n, p) == s.naive_total == n * p + n * (n + 1) // 2
+    assert cached == cached_cumulative(n, p) == s.cached_total == p + n
+    assert s.wasted == naive - cached
+    assert s.naive_last_step == p + n
+    assert s.speedup == naive / cached
+
+
+@given(t=st.integers(1, 10_000), p=st.integers(0, 10_000))
+def test_cumulative_is_a_running_sum(t, p):
+    assert naive_cumulative(t, p) - naive_cumulative(t - 1, p) == naive_step_positions(t, p)
+    assert cached_cumulative(t, p) - cached_cumulative(t - 1, p) == cached_step_positions(t, p)
+
+
+def test_prefill_folds_into_the_first_cached_step():
+    assert cached_step_positions(1, prompt=10) == 11
+    assert cached_step_positions(2, prompt=10) == 1
+    assert naive_step_positions(1, prompt=10) == 11
+    assert naive_step_positions(5, prompt=10) == 15
+    assert cached_cumulative(0, 10) == naive_cumulative(0, 10) == 0
+
+
+@pytest.mark.parametrize("n", [10**7, 10**12])
+def test_huge_lengths_stay_exact(n):
+    s = work_summary(n, prompt=7)
+    assert s.naive_total == n * 7 + n * (n + 1) // 2
+    assert isinstance(s.naive_total, int)
+    assert s.cached_total == n + 7
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: work_summary(0),
+        lambda: work_summary(-3),
+        lambda: work_summary(5, -1),
+        lambda: naive_step_positions(0),
+        lambda: cached_step_positions(0),
+    ],
+)
+def test_bad_counts_raise_value_error(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+def test_non_integers_raise_type_error():
+    with pytest.raises(TypeError):
+        work_summary(2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        work_summary(True)  # type: ignore[arg-type]
+
+
+# --- FLOPs and bytes of a step ------------------------------------------------------------------
+
+
+def test_decode_flops_formula_llama_2_7b():
+    spec = get_model("llama-2-7b")
+    # 2 x params + 4 x layers x heads x head_dim x context
+    assert decode_step_flops(spec, 1000) == 2 * 6_738_415_616 + 4 * 32 * 32 * 128 * 1000
+    assert attention_flops(spec, 1000) == 4 * 32 * 32 * 128 * 1000
+    assert decode_step_flops(spec, 1000, batch=3) == 3 * decode_step_flops(spec, 1000)
+
+
+def test_moe_multiplies_only_active_parameters():
+    spec = get_model("deepseek-v3")
+    assert decode_step_flops(spec, 1) == 2 * 37_000_000_000 + attention_flops(spec, 1)
+    assert decode_step_bytes(spec, 1, "fp8", "bf16") == 37_000_000_000 + kv_bytes(spec, 1)
+
+
+def test_sliding_layers_attend_to_their_window_only():
+    spec = get_model("mistral-7b")
+    assert attention_flops(spec, 10_000) == attention_flops(spec, 4096)
+    gemma = get_model("gemma-2-9b")
+    assert attention_flops(gemma, 8192) == 4 * 16 * 256 * (21 * 8192 + 21 * 4096)
+
+
+@pytest.mark.parametrize("name", model_names())
+@given(positions=st.integers(1, 120))
+def test_uncached_step_is_every_position_again(name, positions):
+    """Recomputing P positions costs what cached steps at contexts 1..P cost, exactly."""
+    spec = get_model(name)
+    brute = sum(decode_step_flops(spec, i) for i in range(1, positions + 1))
+    assert uncached_step_flops(spec, positions) == brute
+
+
+def test_uncached_flops_closed_form_matches_sum_with_windows():
+    spec = get_model("gemma-2-9b")
+    for positions in (1, 4095, 4096, 4097, 9000):
+        brute = sum(decode_step_flops(spec, i) for i in range(1, positions + 1))
+        assert uncached_step_flops(spec, positions) == brute
+
+
+def test_decode_bytes_are_weights_plus_cache():
+    spec = get_model("llama-3.1-8b")
+    assert decode_step_bytes(spec, 2048) == 16_060_522_496 + 2048 * 131_072
+    assert decode_step_bytes(spec, 2048, batch=4) == weights_bytes(spec, "bf16") + kv_bytes(
+        spec, 2048, 4
+    )
+    assert uncached_step_bytes(spec, 100) == weights_bytes(spec, "bf16") + kv_bytes(spec, 100)
+
+
+def test_decode_is_memory_bound_at_batch_1():
+    spec, gpu = get_model("llama-3.1-8b"), get_gpu("h100")
+    intensity = arithmetic_intensity(spec, 1024)
+    assert 0.9 < intensity < 1.1  # one multiply-add per 2-byte weight
+    assert intensity < gpu.ridge_flops_per_byte
+    assert arithmetic_intensity(spec, 1024, batch=64) > 30 * intensity / 2
+
+
+def test_roofline_takes_the_slower_of_compute_and_memory():
+    gpu = get_gpu("h100")
+    spec = get_model("llama-3.1-8b")
+    flops, read = decode_step_flops(spec, 1024), decode_step_bytes(spec, 1024)
+    assert roofline_seconds(flops, read, gpu) == read / 3.35e12
+    assert roofline_seconds(1e18, 1, gpu) == 1e18 / gpu.peak_bf16_flops

@@ -1,0 +1,421 @@
+"""The headless commands: tables, JSON, and one clear line (exit 2) for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtui.cli import build_parser, main
+from kvtui.sim.catalog import gpu_names, model_names
+
+BUDGET_KEYS = {
+    "model",
+    "gpu",
+    "context_tokens",
+    "batch",
+    "kv_bytes_per_token",
+    "kv_bytes",
+    "weights_bytes",
+    "vram_bytes",
+    "kv_fraction_of_vram",
+    "status",
+    "max_context_tokens",
+    "advice",
+    "reserve_bytes",
+}
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys, *argv):
+    code, out, err = run(capsys, *argv, "--json")
+    assert (code, err) == (0, "")
+    return json.loads(out)
+
+
+def assert_usage_error(capsys, *argv, says):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1, err  # one line
+    assert "Traceback" not in err
+    assert says in err
+    return err
+
+
+# --- work ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    [
+        (24, {"naive_last_step": 24, "naive_total": 300, "wasted": 276}),
+        (32, {"naive_total": 528, "cached_total": 32, "speedup": 16.5}),
+        (4096, {"naive_total": 8_390_656, "cached_total": 4096}),
+    ],
+)
+def test_work_json_lesson_figures(capsys, length, expected):
+    data = run_json(capsys, "work", "--length", str(length))
+    assert set(data) == {
+        "length",
+        "prompt",
+        "naive_last_step",
+        "naive_total",
+        "cached_total",
+        "wasted",
+        "speedup",
+    }
+    assert data["length"] == length and data["prompt"] == 0
+    assert {key: data[key] for key in expected} == expected
+
+
+def test_work_with_prompt(capsys):
+    data = run_json(capsys, "work", "--length", "10", "--prompt", "5")
+    assert (data["naive_total"], data["cached_total"]) == (10 * 5 + 55, 15)
+
+
+def test_work_table(capsys):
+    code, out, err = run(capsys, "work", "--length", "4096")
+    assert (code, err) == (0, "")
+    assert "8,390,656" in out and "4,096" in out and "2,048.5x" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["work", "--length", "0"], "--length"),
+        (["work", "--length", "-4"], "positive integer"),
+        (["work", "--length", "many"], "'many'"),
+        (["work", "--length", "2.5"], "positive integer"),
+        (["work"], "required: --length"),
+        (["work", "--length", "5", "--prompt", "-1"], "--prompt"),
+    ],
+)
+def test_work_bad_input(capsys, argv, says):
+    assert_usage_error(capsys, *argv, says=says)
+
+
+# --- budget --------------------------------------------------------------------------------------
+
+
+def test_budget_json_lesson(capsys):
+    data = run_json(
+        capsys,
+        "budget",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "h100",
+        "--context",
+        "24000",
+        "--batch",
+        "8",
+    )
+    assert set(data) >= BUDGET_KEYS
+    assert data["kv_bytes"] == 25_165_824_000
+    assert data["vram_bytes"] == 80 * 2**30
+    assert data["kv_fraction_of_vram"] == pytest.approx(0.29296875)
+    assert data["status"] == "fits"
+    assert data["reserve_bytes"] == 2**30
+    assert data["advice"] == []
+
+
+def test_budget_table_reads_like_the_memory_card(capsys):
+    code, out, _ = run(
+        capsys,
+        "budget",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "h100",
+        "--context",
+        "24000",
+        "--batch",
+        "8",
+    )
+    assert code == 0
+    assert "23.4 GiB of KV on an 80 GiB GPU is 29%; the whole budget fits." in out
+    assert "runtime reserve" in out and "1 GiB" in out
+
+
+def test_budget_overflow_gives_advice(capsys):
+    data = run_json(
+        capsys,
+        "budget",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "a100-40gb",
+        "--context",
+        "32768",
+        "--batch",
+        "8",
+        "--kv-dtype",
+        "bf16",
+        "--weights-dtype",
+        "bf16",
+    )
+    assert data["status"] == "overflow"
+    assert data["max_context_tokens"] == 24_619
+    assert any("fp8" in line for line in data["advice"])
+    code, out, _ = run(
+        capsys,
+        "budget",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "a100-40gb",
+        "--context",
+        "32768",
+        "--batch",
+        "8",
+    )
+    assert code == 0
+    assert "overflow" in out and "- Shorten the context to 24,619 tokens" in out
+
+
+def test_budget_dtypes(capsys):
+    data = run_json(
+        capsys,
+        "budget",
+        "--model",
+        "llama-3.1-8b",
+        "--gpu",
+        "h100",
+        "--context",
+        "1000",
+        "--kv-dtype",
+        "int4",
+        "--weights-dtype",
+        "float8",
+    )
+    assert (data["kv_dtype"], data["weights_dtype"]) == ("int4", "fp8")
+    assert data["kv_bytes"] == 1000 * 131_072 // 4
+    assert data["weights_bytes"] == 8_030_261_248
+
+
+def test_budget_from_config(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "hidden_size": 4096,
+                "intermediate_size": 14336,
+                "max_position_embeddings": 131072,
+                "num_attention_heads": 32,
+                "num_hidden_layers": 32,
+                "num_key_value_heads": 8,
+                "tie_word_embeddings": False,
+                "torch_dtype": "bfloat16",
+                "vocab_size": 128256,
+            }
+        )
+    )
+    argv = [
+        "budget",
+        "--config",
+        str(config),
+        *["--gpu", "h100", "--context", "24000", "--batch", "8"],
+    ]
+    data = run_json(capsys, *argv)
+    assert data["kv_bytes"] == 25_165_824_000
+    assert data["weights_bytes"] == 16_060_522_496
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (
+            ["--model", "llama-3-8b", "--gpu", "h100", "--context", "10"],
+            "did you mean llama-3.1-8b",
+        ),
+        (["--model", "gpt2", "--gpu", "h10", "--context", "10"], "did you mean h100"),
+        (["--model", "gpt2", "--gpu", "h100", "--context", "0"], "--context"),
+        (["--model", "gpt2", "--gpu", "h100", "--context", "lots"], "'lots'"),
+        (["--model", "gpt2", "--gpu", "h100", "--context", "9", "--batch", "0"], "--batch"),
+        (["--model", "gpt2", "--gpu", "h100", "--context", "9", "--kv-dtype", "fp7"], "fp8"),
+        (["--gpu", "h100", "--context", "10"], "one of the arguments --model --config"),
+        (
+            ["--model", "gpt2", "--config", "c.json", "--gpu", "h100", "--context", "1"],
+            "not allowed",
+        ),
+        (["--model", "gpt2", "--context", "10"], "--gpu"),
+    ],
+)
+def test_budget_bad_input(capsys, argv, says):
+    assert_usage_error(capsys, "budget", *argv, says=says)
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [(None, "cannot read"), ("{oops", "not valid JSON"), ('{"n_layer": 2}', "missing")],
+)
+def test_budget_bad_config(capsys, tmp_path, content, says):
+    config = tmp_path / "config.json"
+    if content is not None:
+        config.write_text(content)
+    assert_usage_error(
+        capsys, "budget", "--config", str(config), "--gpu", "h100", "--context", "10", says=says
+    )
+
+
+# --- catalogs ------------------------------------------------------------------------------------
+
+
+def test_models(capsys):
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    for name in model_names():
+        assert name in out
+    data = run_json(capsys, "models")
+    assert [entry["name"] for entry in data] == model_names()
+    llama = next(entry for entry in data if entry["name"] == "llama-3.1-8b")
+    assert llama["kv_bytes_per_token_bf16"] == 131_072 and llama["source"].startswith("https://")
+
+
+def test_gpus(capsys):
+    code, out, _ = run(capsys, "gpus")
+    assert code == 0
+    assert "3.35 TB/s" in out and "141 GiB" in out
+    data = run_json(capsys, "gpus")
+    assert [entry["name"] for entry in data] == gpu_names()
+    h200 = next(entry for entry in data if entry["name"] == "h200")
+    assert h200["memory_bytes"] == 141 * 2**30 and h200["bandwidth_bytes_per_s"] == 4.8e12
+
+
+# --- the top level -------------------------------------------------------------------------------
+
+
+def test_unknown_subcommand(capsys):
+    assert_usage_error(capsys, "frobnicate", says="invalid choice")
+
+
+def test_help_exits_zero(capsys):
+    assert main(["--help"]) == 0
+    assert "budget" in capsys.readouterr().out
+
+
+def test_app_options_parse_without_a_subcommand():
+    args = build_parser().parse_args(
+        [
+            "--engine",
+            "sim:llama-3.1-8b@h100",
+            "--device",
+            "cpu",
+            "--screen",
+            "2",
+            "--length",
+            "32",
+            "--tokens",
+            "64",
+            "--prompt",
+            "It is a truth",
+            "--seed",
+            "3",
+            "--greedy",
+        ]
+    )
+    assert args.command is None
+    assert (args.engine, args.device, args.screen, args.length, args.tokens) == (
+        "sim:llama-3.1-8b@h100",
+        "cpu",
+        2,
+        32,
+        64,
+    )
+    assert (args.prompt, args.seed, args.greedy) == ("It is a truth", 3, True)
+
+
+def test_no_subcommand_runs_the_app(monkeypatch):
+    import kvtui.cli
+
+    seen = []
+    monkeypatch.setattr(kvtui.cli, "run_app", lambda args: seen.append(args) or 0)
+    assert main(["--screen", "3"]) == 0
+    assert seen[0].screen == 3
+
+
+def test_python_dash_m_kvtui():
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtui", "work", "--length", "32", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["naive_total"] == 528
+
+
+def test_python_dash_m_kvtui_bad_input_has_no_traceback():
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtui",
+            "budget",
+            "--model",
+            "nope",
+            "--gpu",
+            "h100",
+            "--context",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert done.stderr.startswith("kvtui: error: unknown model 'nope'")
+    assert done.stderr.count("\n") == 1
+
+
+# --- format: the one place numbers become text ---------------------------------------------------
+
+
+def test_format_helpers():
+    from kvtui.cli import _article
+    from kvtui.format import (
+        format_bandwidth,
+        format_bytes,
+        format_flops_rate,
+        format_int,
+        format_params,
+        format_percent,
+        format_ratio,
+        format_seconds,
+    )
+
+    assert format_bytes(25_165_824_000) == "23.4 GiB"
+    assert format_bytes(80 * 2**30) == "80 GiB"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(2**40 - 1) == "1 TiB"
+    assert format_bytes(-(2**30)) == "-1 GiB"
+    assert format_int(8_390_656) == "8,390,656"
+    assert format_ratio(16.5) == "16.5x"
+    assert format_ratio(2048.5) == "2,048.5x"
+    assert format_percent(0.29296875) == "29%"
+    assert format_percent(0.29296875, 1) == "29.3%"
+    assert format_seconds(0.0123) == "12.3 ms"
+    assert format_seconds(4.2e-5) == "42.0 µs"
+    assert format_seconds(1.5) == "1.50 s"
+    assert format_bandwidth(3.35e12) == "3.35 TB/s"
+    assert format_bandwidth(320e9) == "320 GB/s"
+    assert format_flops_rate(989.4e12) == "989 TFLOP/s"
+    assert format_params(8_030_261_248) == "8.03B"
+    assert format_params(124_439_808) == "124M"
+    assert [_article(t) for t in ("80 GiB", "24 GiB", "11 GiB", "180 GiB", "8.5 GiB")] == [
+        "an",
+        "a",
+        "an",
+        "a",
+        "an",
+    ]

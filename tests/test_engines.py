@@ -1,0 +1,228 @@
+"""The torch-free engines (sim, replay), the run loop and the engine's own process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from kvtui.engines import EngineError, RunControl, open_engine, run_events
+from kvtui.replay import read_record, write_record
+from kvtui.sim.catalog import get_gpu, get_model
+from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, weights_bytes
+from kvtui.sim.steps import RunFailed, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.sim.work import (
+    cached_step_positions,
+    decode_step_bytes,
+    decode_step_flops,
+    naive_step_positions,
+    roofline_seconds,
+    uncached_step_bytes,
+    uncached_step_flops,
+)
+from kvtui.worker import EngineProcess
+
+SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=40, replay_speed=0)
+
+
+def steps_of(events, loop):
+    return [e for e in events if isinstance(e, StepSample) and e.loop == loop]
+
+
+def test_sim_steps_agree_with_kvtui_sim_exactly():
+    events = list(run_events(open_engine(SIM), SIM))
+    spec, gpu = get_model("llama-3.1-8b"), get_gpu("h100")
+    P = events[0].prompt_tokens
+    p = P - 1  # the lesson's prompt: positions before the first generated-token step
+    cached, uncached = steps_of(events, "cached"), steps_of(events, "uncached")
+    assert [s.positions_computed for s in uncached] == [
+        naive_step_positions(t, p) for t in range(1, 41)
+    ]
+    assert [s.positions_computed for s in cached] == [
+        cached_step_positions(t, p) for t in range(1, 41)
+    ]
+    for i, s in enumerate(uncached):
+        assert s.flops == uncached_step_flops(spec, P + i)
+        assert s.bytes_read == uncached_step_bytes(spec, P + i)
+        assert s.step_seconds == roofline_seconds(s.flops, s.bytes_read, gpu)
+    for i, s in enumerate(cached[1:], start=1):
+        assert s.flops == decode_step_flops(spec, P + i)
+        assert s.bytes_read == decode_step_bytes(spec, P + i)
+        assert s.kv_bytes == kv_bytes(spec, P + i)
+    assert [s.text for s in cached] == [s.text for s in uncached]
+
+
+def test_sim_run_stops_out_of_memory_where_the_cache_fills_the_gpu():
+    settings = RunSettings(
+        engine="sim:llama-3.1-8b@l4", tokens=200_000, replay_speed=0, loops=("cached",)
+    )
+    events = list(run_events(open_engine(settings), settings))
+    spec, gpu = get_model("llama-3.1-8b"), get_gpu("l4")
+    room = gpu.memory_bytes - RUNTIME_RESERVE_BYTES - weights_bytes(spec, "bf16")
+    last, finished = steps_of(events, "cached")[-1], events[-1]
+    assert finished.reason == "out_of_memory"
+    assert last.kv_bytes <= room < kv_bytes(spec, last.position + 1)
+    assert finished.message == f"out of memory at {last.position + 1:,} tokens"
+
+
+def test_sim_refuses_weights_that_do_not_fit():
+    with pytest.raises(EngineError, match="do not fit"):
+        open_engine(RunSettings(engine="sim:llama-3.1-70b@l4"))
+
+
+@pytest.mark.parametrize(
+    "engine", ["sim:llama-3.1-8b", "sim:llama-9@h100", "sim:llama-3.1-8b@h1000"]
+)
+def test_sim_bad_names(engine):
+    with pytest.raises(EngineError):
+        open_engine(RunSettings(engine=engine))
+
+
+def test_record_then_replay_gives_the_same_samples(tmp_path):
+    events = list(run_events(open_engine(SIM), SIM))
+    path = tmp_path / "run.jsonl"
+    write_record(path, SIM, events, device="test")
+    header, recorded = read_record(path)
+    assert header["settings"]["engine"] == SIM.engine and recorded == events
+    replay = RunSettings(engine=f"replay:{path}", replay_speed=0)
+    engine = open_engine(replay)
+    assert engine.settings.tokens == 40  # what was recorded runs, whatever was asked
+    assert list(run_events(engine, engine.settings)) == events
+
+
+def test_replay_keeps_the_recorded_pace(tmp_path):
+    settings = replace(SIM, tokens=5, loops=("cached",))
+    events = list(run_events(open_engine(settings), settings))
+    slow = [replace(e, step_seconds=0.05) if isinstance(e, StepSample) else e for e in events]
+    path = tmp_path / "slow.jsonl"
+    write_record(path, settings, slow)
+    engine = open_engine(RunSettings(engine=f"replay:{path}", replay_speed=1.0))
+    started = time.perf_counter()
+    list(run_events(engine, engine.settings))
+    assert time.perf_counter() - started >= 5 * 0.05
+    fast = open_engine(RunSettings(engine=f"replay:{path}", replay_speed=0))
+    assert list(run_events(fast, fast.settings)) == slow
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("", "not a kvtui record"),
+        ("hello\n", "not a kvtui record"),
+        ('{"kind": "header", "format": "kvtui-record", "version": 9}\n', "version 9"),
+        ('{"kind": "header", "format": "kvtui-record", "version": 1}\n{"kind": "step"\n', "line 2"),
+        ('{"kind": "header", "format": "kvtui-record", "version": 1}\n', "no run"),
+    ],
+)
+def test_corrupt_records_are_one_clear_error(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(EngineError, match=message):
+        open_engine(RunSettings(engine=f"replay:{path}"))
+    with pytest.raises(EngineError, match="no recorded run"):
+        open_engine(RunSettings(engine=f"replay:{tmp_path / 'missing.jsonl'}"))
+
+
+def test_pause_holds_the_run_between_steps():
+    control = RunControl()
+    control.pause()
+    events = run_events(open_engine(SIM), SIM, control)
+    assert isinstance(next(events), RunStarted)
+    import threading
+
+    got = []
+    thread = threading.Thread(target=lambda: got.append(next(events)))
+    thread.start()
+    thread.join(0.2)
+    assert not got  # paused: no step
+    control.resume()
+    thread.join(2)
+    assert isinstance(got[0], StepSample)
+
+
+# --- the engine in its own process ---------------------------------------------------------------
+
+
+def test_engine_process_streams_a_sim_run_without_torch_in_the_parent():
+    code = (
+        "import sys\n"
+        "from kvtui.worker import EngineProcess\n"
+        "from kvtui.sim.steps import RunSettings\n"
+        "s = RunSettings(engine='sim:llama-3.1-8b@h100', tokens=10, replay_speed=0)\n"
+        "p = EngineProcess(s)\n"
+        "p.start(); events = list(p.events()); p.close()\n"
+        "print(len(events), events[0].kind, events[-1].kind, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["23", "started", "finished", "False"], out.stderr
+
+
+def test_engine_process_reports_a_bad_engine_as_run_failed():
+    proc = EngineProcess(RunSettings(engine="sim:nope@h100"))
+    proc.start()
+    events = list(proc.events())
+    proc.close()
+    assert len(events) == 1 and isinstance(events[0], RunFailed)
+    assert "unknown model 'nope'" in events[0].message
+
+
+def test_a_killed_engine_process_becomes_run_failed():
+    proc = EngineProcess(replace(SIM, tokens=100_000, replay_speed=1.0))
+    proc.start()
+    events = proc.events()
+    assert isinstance(next(events), RunStarted)
+    os.kill(proc.pid, signal.SIGKILL)
+    rest = list(events)
+    assert isinstance(rest[-1], RunFailed)
+    assert "killed by signal 9" in rest[-1].message
+    proc.close()
+
+
+def test_stop_and_close_end_the_engine_process_quickly():
+    proc = EngineProcess(replace(SIM, tokens=100_000, replay_speed=1.0))
+    proc.start()
+    events = proc.events()
+    next(events)
+    next(events)
+    started = time.perf_counter()
+    proc.close(timeout=1.0)
+    assert time.perf_counter() - started < 1.5
+    assert not proc.alive
+
+
+def test_engine_process_pause_and_resume():
+    import threading
+
+    proc = EngineProcess(replace(SIM, tokens=100_000, replay_speed=1.0))
+    proc.start()
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.events()), daemon=True)
+    reader.start()
+    time.sleep(0.2)
+    proc.pause()
+    time.sleep(0.3)  # let the pause land and the pipe drain
+    held = len(seen)
+    time.sleep(0.3)
+    assert len(seen) == held  # paused: nothing new
+    proc.resume()
+    time.sleep(0.3)
+    assert len(seen) > held
+    proc.close()
+    reader.join(2)
+
+
+def test_child_rejects_bad_settings():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvtui.worker"],
+        input="not json\n",
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 2
+    assert json.loads(out.stdout)["kind"] == "failed"
+    assert isinstance(RunFinished, type)
