@@ -12,7 +12,6 @@ parser and calls `set_defaults(handler=cmd_NAME)`; list it in `build_parser`.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -275,18 +274,14 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 def run_app(args: argparse.Namespace) -> int:
     """`kvtui` with no subcommand: open the Textual app (imported only now)."""
-    try:
-        app = importlib.import_module("kvtui.app")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvtui.app":
-            raise
-        print(
-            "kvtui: app not yet available; try `kvtui work`, `kvtui budget`, `kvtui models` "
-            "or `kvtui gpus`",
-            file=sys.stderr,
-        )
-        return 1
-    return int(app.run(args) or 0)
+    from kvtui.app import run_app as open_app
+
+    settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
+    return int(open_app(settings, screen=args.screen, length=args.length) or 0)
+
+
+DEFAULT_APP_TOKENS = 256
+"""Tokens the app's run generates unless `--tokens` says otherwise."""
 
 
 # --- the parser ----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ def main() -> int:
     parser.add_argument("--data-dir", type=Path, default=DEBIAN_DATA_DIR)
     parser.add_argument("--run-dir", type=Path, default=Path("runs/tiny"))
     parser.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
+    parser.add_argument("--threads", type=int, default=TrainConfig.threads)
     parser.add_argument("--export", action="store_true", help="export the checkpoint to assets/")
     args = parser.parse_args()
 
@@ -44,7 +45,7 @@ def main() -> int:
         return 2
     train_text, val_text = train_val_split(austen_novels(args.data_dir))
     train_data, val_data = encode(train_text), encode(val_text)
-    cfg = replace(TrainConfig(), max_steps=args.max_steps)
+    cfg = replace(TrainConfig(), max_steps=args.max_steps, threads=args.threads)
     args.run_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.run_dir / "checkpoint.safetensors"
     with open(args.run_dir / "log.jsonl", "a") as log_file:

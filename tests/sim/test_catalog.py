@@ -119,7 +119,7 @@ def test_architecture_details():
         8,
         2,
         32,
-        3_475_712,
+        3_476_736,
     )
 
 

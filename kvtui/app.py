@@ -1,0 +1,391 @@
+"""The kvtui App: three lesson screens as modes, app-wide keys, and the engine's reader worker.
+
+The decode engine runs in a process of its own (`kvtui.worker.EngineProcess`), so the UI process
+never imports torch and a busy UI cannot slow the steps it measures. A thread worker reads the
+engine's events and posts them back in batches, at most ~20 times a second; the app folds them into
+one `LiveRun` that every screen was given, and each screen redraws from it on its own throttled
+timer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any, Protocol
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.message import Message
+from textual.worker import Worker, WorkerState, get_current_worker
+
+from kvtui.screens.base import WorkScreen
+from kvtui.screens.cache import CacheScreen
+from kvtui.screens.live import LiveRun
+from kvtui.screens.memory import MemoryScreen
+from kvtui.screens.recompute import RecomputeScreen
+from kvtui.sim.catalog import gpu_names, model_names
+from kvtui.sim.steps import Event, RunFailed, RunSettings
+
+MODES = ("recompute", "cache", "memory")
+"""The lesson's screens, in order: keys 1, 2 and 3."""
+
+POST_INTERVAL_S = 0.05
+"""The reader worker posts at most one batch of events per this many seconds (20 a second)."""
+
+
+class Engine(Protocol):
+    """What the app needs of an engine process (`kvtui.worker.EngineProcess` provides it)."""
+
+    def start(self) -> None: ...
+    def events(self) -> Iterator[Event]: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def stop(self) -> None: ...
+    def close(self, timeout: float = 1.0) -> None: ...
+    @property
+    def alive(self) -> bool: ...
+
+
+EngineFactory = Callable[[RunSettings], Engine]
+
+
+def engine_process(settings: RunSettings) -> Engine:
+    """The real engine: a child process running `python -m kvtui.worker`."""
+    from kvtui.worker import EngineProcess
+
+    return EngineProcess(settings)
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """Plain values the CLI (or a test) hands the app."""
+
+    settings: RunSettings = field(default_factory=RunSettings)
+    screen: int = 1
+    """The screen to open on: 1, 2 or 3."""
+    length: int = 24
+    """The answer length the work cards start at (1 to 4,096)."""
+    probe: dict[str, Any] | None = None
+    """A device probe summary to show; None probes the device at startup, off the UI thread."""
+    autostart: bool = True
+    """Start the engine as soon as the app is up."""
+
+
+_END = object()
+
+
+class EngineCommands(Provider):
+    """Command palette entries: restart with another engine; pick screen 3's model or GPU."""
+
+    def _commands(self) -> list[tuple[str, Callable[[], None], str]]:
+        app = self.app
+        assert isinstance(app, KVApp)
+        commands: list[tuple[str, Callable[[], None], str]] = [
+            ("Engine: tiny", partial(app.restart_with, "tiny"), "the shipped model, real torch")
+        ]
+        for name in model_names():
+            commands.append(
+                (
+                    f"Engine: sim:{name}@h100",
+                    partial(app.restart_with, f"sim:{name}@h100"),
+                    "roofline-timed steps, no torch",
+                )
+            )
+        for name in model_names():
+            commands.append(
+                (
+                    f"Engine: shape:{name}",
+                    partial(app.restart_with, f"shape:{name}"),
+                    "the model's real shape, random weights",
+                )
+            )
+        for name in model_names():
+            commands.append(
+                (f"Model: {name}", partial(app.choose_budget, model=name), "screen 3's budget")
+            )
+        for name in gpu_names():
+            commands.append(
+                (f"GPU: {name}", partial(app.choose_budget, gpu=name), "screen 3's budget")
+            )
+        return commands
+
+    async def discover(self) -> Hits:
+        for text, command, help_text in self._commands():
+            if text.startswith(("Engine: tiny", "Engine: sim:llama-3.1-8b", "Model:", "GPU:")):
+                yield DiscoveryHit(text, command, help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for text, command, help_text in self._commands():
+            score = matcher.match(text)
+            if score > 0:
+                yield Hit(score, matcher.highlight(text), command, help=help_text)
+
+
+class KVApp(App[int]):
+    """kvtui: see, and measure, why LLM decoding needs a KV cache."""
+
+    TITLE = "kvtui"
+    CSS_PATH = "kvtui.tcss"
+    COMMANDS = App.COMMANDS | {EngineCommands}
+
+    BINDINGS = [
+        Binding("1", "screen(1)", "Screens", key_display="1 2 3"),
+        Binding("2", "screen(2)", "Cache", show=False),
+        Binding("3", "screen(3)", "Memory", show=False),
+        Binding("space", "pause", "Pause"),
+        Binding("r", "restart", "Restart"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+        Binding("q", "quit", "Quit", priority=True),
+    ]
+
+    @dataclass
+    class EngineReported(Message, bubble=False):
+        """A batch of engine events arrived from the reader worker."""
+
+        run_id: int
+        events: list[Event]
+
+    @dataclass
+    class EngineExited(Message, bubble=False):
+        """The engine's event stream ended (the child exited)."""
+
+        run_id: int
+
+    @dataclass
+    class DeviceProbed(Message, bubble=False):
+        """The device probe answered."""
+
+        summary: dict[str, Any]
+
+    def __init__(self, config: AppConfig, engine_factory: EngineFactory = engine_process) -> None:
+        super().__init__()
+        self.config = config
+        self._engine_factory = engine_factory
+        self.live = LiveRun(config.settings)
+        self.engine: Engine | None = None
+        self._run_id = 0
+        self._lesson = {
+            "recompute": RecomputeScreen(self.live, config.length),
+            "cache": CacheScreen(self.live, config.length),
+            "memory": MemoryScreen(self.live),
+        }
+
+    # --- startup and screens -----------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        for mode, screen in self._lesson.items():
+            self.install_screen(screen, mode)
+            self.add_mode(mode, mode)
+        if self.config.probe is not None:
+            self.live.set_probe(self.config.probe)
+        else:
+            self._probe_device()
+        self.switch_mode(MODES[max(1, min(3, self.config.screen)) - 1])
+        if self.config.autostart:
+            self.start_run()
+
+    def screen_of(self, mode: str) -> Any:
+        """The lesson screen of a mode (`recompute`, `cache`, `memory`)."""
+        return self._lesson[mode]
+
+    def action_screen(self, number: int) -> None:
+        self.switch_mode(MODES[number - 1])
+
+    def action_help(self) -> None:
+        from kvtui.screens.help import HelpScreen
+
+        self.push_screen(HelpScreen())
+
+    def action_cache_on(self) -> None:
+        """`c` on screen 1: turn the cache on, which is screen 2."""
+        self._lesson["cache"].cache_on = True
+        self.switch_mode("cache")
+
+    def on_work_screen_length_chosen(self, message: WorkScreen.LengthChosen) -> None:
+        for mode in ("recompute", "cache"):
+            self._lesson[mode].length = message.length
+
+    def choose_budget(self, *, model: str | None = None, gpu: str | None = None) -> None:
+        """Set screen 3's model or GPU, and show it."""
+        self._lesson["memory"].choose(model=model, gpu=gpu)
+        self.switch_mode("memory")
+
+    # --- the device probe --------------------------------------------------------------------
+
+    @work(thread=True, exclusive=True, group="probe", exit_on_error=False)
+    def _probe_device(self) -> None:
+        from kvtui.gpu.probe import probe_summary
+
+        self.post_message(self.DeviceProbed(probe_summary()))
+
+    def on_kvapp_device_probed(self, message: DeviceProbed) -> None:
+        self.live.set_probe(message.summary)
+
+    # --- the engine --------------------------------------------------------------------------
+
+    def start_run(self, settings: RunSettings | None = None) -> None:
+        """(Re)start the engine with these settings (the current ones by default)."""
+        self._close_engine_soon()
+        self._run_id += 1
+        self.live.reset(settings or self.live.settings)
+        self.engine = self._engine_factory(self.live.settings)
+        self._read_engine(self.engine, self._run_id)
+
+    def restart_with(self, engine: str) -> None:
+        self.start_run(replace(self.live.settings, engine=engine))
+        self.notify(f"Restarted with engine {engine}", timeout=3)
+
+    def action_restart(self) -> None:
+        self.start_run()
+
+    def action_pause(self) -> None:
+        if self.engine is None:
+            return
+        if self.live.state == "running":
+            self.engine.pause()
+            self.live.set_state("paused")
+        elif self.live.state == "paused":
+            self.engine.resume()
+            self.live.set_state("running")
+
+    def _close_engine_soon(self) -> None:
+        """Forget the current engine; its reader worker is cancelled and closes it."""
+        self.workers.cancel_group(self, "decode")
+        self.engine = None
+
+    def close_engine(self, timeout: float = 1.0) -> None:
+        """End the engine's process now (quitting): cancel the reader, then close the child."""
+        engine, self.engine = self.engine, None
+        self.workers.cancel_group(self, "decode")
+        if engine is not None:
+            engine.close(timeout=timeout)
+
+    async def action_quit(self) -> None:
+        self.close_engine()
+        self.exit(0)
+
+    def on_unmount(self) -> None:
+        self.close_engine()
+
+    @work(thread=True, exclusive=True, group="decode", exit_on_error=False)
+    def _read_engine(self, engine: Engine, run_id: int) -> None:
+        """Start the engine, then relay its events in batches until it ends or we are cancelled.
+
+        A helper thread blocks on the engine's pipe and feeds a queue, so this loop wakes every
+        POST_INTERVAL_S to check for cancellation and to post what has arrived. It never touches
+        a widget or a reactive: it only posts messages.
+        """
+        worker = get_current_worker()
+        inbox: queue.Queue[object] = queue.Queue()
+
+        def pump() -> None:
+            try:
+                for event in engine.events():
+                    inbox.put(event)
+            except Exception as exc:  # the pipe broke: say so as the run's failure
+                inbox.put(RunFailed(f"engine stream broke: {exc}"))
+            finally:
+                inbox.put(_END)
+
+        try:
+            engine.start()
+            threading.Thread(target=pump, name="kvtui-engine-pipe", daemon=True).start()
+            pending: list[Event] = []
+            last_post = 0.0
+            ended = False
+            while not ended and not worker.is_cancelled:
+                try:
+                    item = inbox.get(timeout=POST_INTERVAL_S)
+                    while True:
+                        if item is _END:
+                            ended = True
+                            break
+                        pending.append(item)  # type: ignore[arg-type]
+                        item = inbox.get_nowait()
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                if pending and (ended or now - last_post >= POST_INTERVAL_S):
+                    self.post_message(self.EngineReported(run_id, pending))
+                    pending, last_post = [], now
+            if ended:
+                self.post_message(self.EngineExited(run_id))
+        finally:
+            engine.close(timeout=1.0)
+
+    def on_kvapp_engine_reported(self, message: EngineReported) -> None:
+        if message.run_id != self._run_id:
+            return
+        for event in message.events:
+            self.live.apply(event)
+            if isinstance(event, RunFailed):
+                self.notify(
+                    f"The engine stopped: {event.message}. Press r to restart.",
+                    title="Engine failed",
+                    severity="error",
+                    timeout=8,
+                )
+
+    def on_kvapp_engine_exited(self, message: EngineExited) -> None:
+        if message.run_id != self._run_id:
+            return
+        if self.live.state in ("running", "paused", "starting"):
+            self.live.apply(RunFailed("the engine exited before finishing"))
+            self.notify(
+                "The engine exited before finishing. Press r to restart.",
+                title="Engine stopped",
+                severity="error",
+                timeout=8,
+            )
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.state != WorkerState.ERROR or event.worker.group != "decode":
+            if event.state == WorkerState.ERROR and event.worker.group == "probe":
+                self.live.set_probe({"description": "device unknown (the probe failed)"})
+            return
+        error = event.worker.error
+        words = f"{type(error).__name__}: {error}" if error else "unknown error"
+        self.live.apply(RunFailed(words))
+        self.notify(
+            f"The engine could not run: {words}. Press r to retry.",
+            title="Engine failed",
+            severity="error",
+            timeout=8,
+        )
+
+
+def make_app(
+    settings: RunSettings | None = None,
+    screen: int = 1,
+    length: int = 24,
+    *,
+    probe: dict[str, Any] | None = None,
+    engine_factory: EngineFactory = engine_process,
+    autostart: bool = True,
+) -> KVApp:
+    """The one factory that builds the app, for the CLI and for the tests."""
+    config = AppConfig(
+        settings=settings or RunSettings(),
+        screen=screen,
+        length=length,
+        probe=probe,
+        autostart=autostart,
+    )
+    return KVApp(config, engine_factory)
+
+
+def run_app(settings: RunSettings, screen: int = 1, length: int = 24) -> int:
+    """Open the app on a screen with an answer length, run it, and return its exit code."""
+    app = make_app(settings, screen, length)
+    try:
+        result = app.run()
+    finally:
+        app.close_engine()
+    return int(result or 0)

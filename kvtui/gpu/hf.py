@@ -1,0 +1,542 @@
+"""A local Hugging Face model as a decode engine (`hf:DIR`, `--model DIR`), without a UI.
+
+The model, its config and its tokenizer are loaded from a directory on disk through transformers
+(the optional `hf` extra): offline only, without remote code, from safetensors weights only. The
+two loops are the lesson's, run through transformers' own forward pass:
+
+- `prefill` runs the prompt into a `StaticCache` preallocated for prompt + answer (as the tiny
+  engine's cache is), `decode_one_token` feeds one token at its cache position;
+- `recompute_all` runs the whole sequence with `use_cache=False`: the uncached staircase.
+
+Both sample with kvtui.gpu.decode's `Sampler` (greedy, or seeded top-k with one draw per step), so
+with the same settings they emit the same ids. KV bytes are measured from the cache's own key and
+value tensors and match kvtui.sim's formula for the shape `model_from_hf_config` reads from the
+same config.json, the reader `kvtui budget --config` uses.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from os.path import commonprefix
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvtui.format import format_bytes
+from kvtui.gpu.decode import Sampler, Sampling, synchronize
+from kvtui.gpu.engine import _available_bytes, default_dtype, pick_device
+from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config, normalize_dtype
+from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
+from kvtui.sim.steps import EngineError, Loop, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.sim.work import (
+    decode_step_bytes,
+    decode_step_flops,
+    uncached_step_bytes,
+    uncached_step_flops,
+)
+
+NO_EXTRA = "--model needs the hf extra: pip install 'kvtui[hf]'"
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def _import_transformers() -> Any:
+    """transformers, told never to reach a network; `EngineError` when the extra is missing."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    try:
+        import transformers
+    except ImportError:
+        raise EngineError(NO_EXTRA) from None
+    return transformers
+
+
+def _version(transformers: Any) -> tuple[int, int]:
+    major, minor, *_ = (transformers.__version__.split(".") + ["0", "0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+@contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """transformers' warnings and progress bars off while loading: errors are ours to report."""
+    logging = transformers.utils.logging
+    level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _read_config(directory: Path) -> dict:
+    config_path = directory / "config.json"
+    if not directory.exists():
+        raise EngineError(f"model directory {directory} does not exist")
+    if not directory.is_dir():
+        raise EngineError(f"{directory} is not a directory (--model takes a model directory)")
+    if not config_path.is_file():
+        raise EngineError(f"{directory} has no config.json: not a Hugging Face model directory")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EngineError(f"cannot read {config_path}: {_one_line(exc)}") from None
+    if not isinstance(config, dict):
+        raise EngineError(f"{config_path} is not a model config (expected a JSON object)")
+    return config
+
+
+def check_architecture(transformers: Any, directory: Path, config: dict) -> None:
+    """`EngineError` unless transformers knows the model type, without remote code, as a
+    decoder-only causal LM (BERT-like encoders also have causal-LM heads: they are refused)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = config.get("model_type")
+    where = f"{directory}/config.json"
+    if not isinstance(model_type, str) or not model_type:
+        raise EngineError(f"{where} has no model_type: unsupported architecture")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        remote = " (it needs remote code, which kvtui never runs)" if "auto_map" in config else ""
+        raise EngineError(
+            f"unsupported architecture {model_type!r}: transformers "
+            f"{transformers.__version__} does not know it{remote}"
+        )
+    if (
+        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        or config.get("is_encoder_decoder")
+    ):
+        raise EngineError(
+            f"unsupported architecture {model_type!r}: not a decoder-only causal language model"
+        )
+
+
+def model_label(directory: Path, config: dict) -> str:
+    """The config's hub name (`org/name`) when it has one, else the directory's name."""
+    name = config.get("_name_or_path")
+    if isinstance(name, str) and name and not name.startswith(("/", ".", "~")):
+        return name
+    return directory.resolve().name
+
+
+def prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """The prompt's token ids as the tokenizer adds them (BOS included); never empty."""
+    ids = list(tokenizer(prompt)["input_ids"])
+    if not ids:
+        start = tokenizer.bos_token_id
+        ids = [start if start is not None else tokenizer.eos_token_id or 0]
+    return ids
+
+
+def check_fits(
+    spec: ModelSpec, directory: Path, device: torch.device, dtype: torch.dtype, context: int
+) -> None:
+    """`EngineError`, before anything is allocated, when the weights (estimated from the config)
+    and the KV cache for `context` tokens do not fit in free device memory or host RAM."""
+    element = torch.empty((), dtype=dtype).element_size()
+    kv_dtype = normalize_dtype(str(dtype))
+    need = spec.params * element + kv_bytes(spec, context, 1, kv_dtype)
+    have, where = _available_bytes(device)
+    if need > have:
+        raise EngineError(
+            f"{directory.name} needs {format_bytes(need)} (weights + KV cache for {context:,} "
+            f"tokens) but only {format_bytes(have)} of {where} is available"
+        )
+
+
+def _free(device: torch.device, *, collect: bool = False) -> None:
+    """Hand freed memory back: on a GPU to the driver (after collecting cycles that may pin
+    tensors); on the CPU dropping the references was enough, unless `collect` (a failed load)."""
+    if collect or device.type == "cuda":
+        gc.collect()  # about 0.3 s with transformers loaded, so not after every CPU run
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def load_model(
+    transformers: Any, directory: Path, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The causal LM from `directory`'s safetensors, offline, in `dtype`, on `device`, in eval
+    mode; `EngineError` (with nothing left allocated) when it cannot be loaded."""
+    if not any(directory.glob("*.safetensors")):
+        raise EngineError(
+            f"{directory} has no safetensors weights (kvtui never loads pickled .bin files)"
+        )
+    dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
+    kwargs: dict[str, Any] = {
+        "local_files_only": True,
+        "trust_remote_code": False,
+        "use_safetensors": True,
+        dtype_key: dtype,
+    }
+    if device.type != "cpu" and _version(transformers) >= (5, 0):
+        kwargs["device_map"] = {"": device}
+    model = None
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
+        model = model.to(device).eval()
+    except torch.OutOfMemoryError:
+        del model
+        _free(device, collect=True)
+        raise EngineError(f"{directory.name}: out of memory while loading the weights") from None
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
+        del model
+        _free(device, collect=True)
+        raise EngineError(f"cannot load {directory}: {_one_line(exc)}") from None
+    return model
+
+
+# --- the KV cache --------------------------------------------------------------------------------
+
+
+def new_cache(transformers: Any, model: torch.nn.Module, max_len: int) -> Any:
+    """A StaticCache for `max_len` positions (allocated on the first forward)."""
+    if _version(transformers) >= (4, 56):
+        return transformers.StaticCache(config=model.config, max_cache_len=max_len)
+    param = next(model.parameters())
+    return transformers.StaticCache(
+        config=model.config,
+        batch_size=1,
+        max_cache_len=max_len,
+        device=param.device,
+        dtype=param.dtype,
+    )
+
+
+def cache_tensors(cache: Any) -> list[Tensor]:
+    """Every key and value tensor of a transformers cache, newer (`layers[i].keys`) and older
+    (`key_cache[i]`) APIs alike; tensors not yet allocated are left out."""
+    if hasattr(cache, "layers"):
+        pairs = [(getattr(lay, "keys", None), getattr(lay, "values", None)) for lay in cache.layers]
+    else:
+        pairs = list(zip(cache.key_cache, cache.value_cache, strict=True))
+    return [t for pair in pairs for t in pair if isinstance(t, Tensor) and t.dim() == 4]
+
+
+def cache_bytes(cache: Any, positions: int | None = None) -> int:
+    """Bytes of the cache's key and value tensors `(B, kv_heads, L, head_dim)`: all of them, or
+    those holding the first `positions` positions (a sliding layer holds at most its L)."""
+    total = 0
+    for t in cache_tensors(cache):
+        length = t.shape[-2]
+        held = length if positions is None else min(positions, length)
+        total += t.nbytes // length * held if length else 0
+    return total
+
+
+# --- the loops -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HFStep:
+    """One measured decode step of a transformers model."""
+
+    index: int
+    position: int
+    token_id: int
+    positions_computed: int
+    step_seconds: float
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class ForwardArgs:
+    """How this transformers version's forward takes a cache and is told to skip logits."""
+
+    cache: str
+    """The cache's keyword: `cache` (transformers 5.x) or `past_key_values` (before)."""
+    positions: bool
+    """Whether forward takes `cache_position` (else the cache counts its own length)."""
+    extra: dict[str, Any]
+    """Only the last position's logits, where forward can be told so."""
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ForwardArgs:
+        import inspect
+
+        names = inspect.signature(model.forward).parameters
+        extra: dict[str, Any] = {}
+        if "logits_to_keep" in names:
+            extra["logits_to_keep"] = 1
+        elif "num_logits_to_keep" in names:
+            extra["num_logits_to_keep"] = 1
+        return cls(
+            cache="cache" if "cache" in names else "past_key_values",
+            positions="cache_position" in names,
+            extra=extra,
+        )
+
+    def with_cache(self, cache: Any, start: int, length: int, device: torch.device) -> dict:
+        kwargs = {self.cache: cache, "use_cache": True, **self.extra}
+        if self.positions:
+            kwargs["cache_position"] = torch.arange(start, start + length, device=device)
+        return kwargs
+
+
+@torch.inference_mode()
+def prefill(model: torch.nn.Module, prompt: Tensor, cache: Any, fwd: ForwardArgs) -> Tensor:
+    """Run the prompt `(1, P)` into the cache; the last position's logits `(1, vocab)`."""
+    kwargs = fwd.with_cache(cache, 0, prompt.shape[1], prompt.device)
+    return model(prompt, **kwargs).logits[:, -1]
+
+
+@torch.inference_mode()
+def decode_one_token(
+    model: torch.nn.Module, token: Tensor, position: int, cache: Any, fwd: ForwardArgs
+) -> Tensor:
+    """Feed one token `(1, 1)` at `position`, computing only its keys and values."""
+    kwargs = fwd.with_cache(cache, position, 1, token.device)
+    return model(token, **kwargs).logits[:, -1]
+
+
+@torch.inference_mode()
+def recompute_all(model: torch.nn.Module, ids: Tensor, fwd: ForwardArgs) -> Tensor:
+    """Run the whole sequence `(1, T)` with no cache: keys and values for all T positions again."""
+    return model(ids, use_cache=False, **fwd.extra).logits[:, -1]
+
+
+def cached_loop(
+    model: torch.nn.Module, cache: Any, prompt: Tensor, n_tokens: int, sampling: Sampling
+) -> Generator[HFStep, None, None]:
+    """Prefill, then one new position per step, through a cache sized for prompt + n_tokens."""
+    device = prompt.device
+    P = prompt.shape[1]
+    sample = Sampler(sampling, device)
+    fwd = ForwardArgs.of(model)
+    token = None
+    for i in range(n_tokens):
+        synchronize(device)
+        t0 = time.perf_counter()
+        if i == 0:
+            logits, computed = prefill(model, prompt, cache, fwd), P
+        else:
+            logits, computed = decode_one_token(model, token, P + i - 1, cache, fwd), 1
+        token = sample(logits)
+        token_id = int(token.item())
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        yield HFStep(i, P + i, token_id, computed, seconds, cache_bytes(cache, P + i))
+
+
+def uncached_loop(
+    model: torch.nn.Module, prompt: Tensor, n_tokens: int, sampling: Sampling
+) -> Generator[HFStep, None, None]:
+    """Every step runs the whole sequence so far: keys and values for every position, again."""
+    device = prompt.device
+    P = prompt.shape[1]
+    ids = torch.empty((1, P + n_tokens), dtype=torch.long, device=device)
+    ids[:, :P] = prompt
+    sample = Sampler(sampling, device)
+    fwd = ForwardArgs.of(model)
+    for i in range(n_tokens):
+        synchronize(device)
+        t0 = time.perf_counter()
+        logits = recompute_all(model, ids[:, : P + i], fwd)
+        token = sample(logits)
+        ids[:, P + i] = token[0, 0]
+        token_id = int(token.item())
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        yield HFStep(i, P + i, token_id, P + i, seconds, 0)
+
+
+class TextStream:
+    """Token ids in, text out: decodes the growing sequence and emits what it adds, holding back
+    while the text ends in an incomplete character (U+FFFD)."""
+
+    def __init__(self, tokenizer: Any, prompt: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(prompt)
+        self._text = self._decode()  # the prompt's text, never emitted
+
+    def _decode(self) -> str:
+        return self._tokenizer.decode(
+            self._ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def push(self, token_id: int) -> str:
+        """The text `token_id` completes: empty in the middle of a character."""
+        self._ids.append(token_id)
+        text = self._decode()
+        if text.endswith("\ufffd"):
+            return ""
+        shown = self._text if text.startswith(self._text) else commonprefix([self._text, text])
+        self._text = text
+        return text[len(shown) :]
+
+
+# --- the engine ----------------------------------------------------------------------------------
+
+
+@dataclass
+class HFEngine:
+    settings: RunSettings
+    transformers: Any
+    model: torch.nn.Module
+    tokenizer: Any
+    spec: ModelSpec
+    device: torch.device
+    label: str
+    prompt: list[int]
+    _cache: Any = None
+
+    @property
+    def dtype_name(self) -> str:
+        return normalize_dtype(str(next(self.model.parameters()).dtype))
+
+    def started(self) -> RunStarted:
+        if self.device.type == "cuda":
+            where = f"cuda:{self.device.index or 0} ({torch.cuda.get_device_name(self.device)})"
+            total = torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            where, total = "cpu", None
+        return RunStarted(
+            engine=self.settings.engine,
+            model=self.label,
+            device=where,
+            dtype=self.dtype_name,
+            layers=self.spec.layers,
+            kv_heads=self.spec.kv_heads,
+            head_dim=self.spec.head_dim,
+            kv_bytes_per_token=kv_bytes_per_token(self.spec, self.dtype_name),
+            weights_bytes=weights_bytes(self.model),
+            prompt_tokens=len(self.prompt),
+            tokens=self.settings.tokens,
+            threads=torch.get_num_threads(),
+            device_memory_total_bytes=total,
+        )
+
+    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
+        s = self.settings
+        sampling = Sampling(temperature=s.temperature, top_k=s.top_k, seed=s.seed, greedy=s.greedy)
+        prompt = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
+        P = prompt.shape[1]
+        if P + s.tokens > self.spec.max_context:
+            yield RunFinished(
+                loop,
+                "error",
+                0,
+                f"{P + s.tokens:,} positions is past the model's {self.spec.max_context:,}",
+            )
+            return
+        text = TextStream(self.tokenizer, self.prompt)
+        dtype, allocated, done, out_of_memory = self.dtype_name, None, 0, False
+        cache: Any = None
+        run: Generator[HFStep, None, None] | None = None
+        try:
+            if loop == "cached":
+                cache = self._cache = new_cache(self.transformers, self.model, P + s.tokens)
+                run = cached_loop(self.model, cache, prompt, s.tokens, sampling)
+            else:
+                run = uncached_loop(self.model, prompt, s.tokens, sampling)
+            for step in run:
+                if loop == "cached":
+                    allocated = cache_bytes(cache)
+                    if step.index == 0:
+                        flops = uncached_step_flops(self.spec, P)
+                        read = uncached_step_bytes(self.spec, P, dtype, dtype)
+                    else:
+                        flops = decode_step_flops(self.spec, step.position)
+                        read = decode_step_bytes(self.spec, step.position, dtype, dtype)
+                else:
+                    flops = uncached_step_flops(self.spec, step.positions_computed)
+                    read = uncached_step_bytes(self.spec, step.positions_computed, dtype, dtype)
+                done += 1
+                yield StepSample(
+                    loop=loop,
+                    step=step.index,
+                    position=step.position,
+                    token_id=step.token_id,
+                    text=text.push(step.token_id),
+                    positions_computed=step.positions_computed,
+                    flops=flops,
+                    bytes_read=read,
+                    step_seconds=step.step_seconds,
+                    kv_bytes=step.kv_bytes,
+                    device_memory_bytes=(
+                        torch.cuda.memory_allocated(self.device)
+                        if self.device.type == "cuda"
+                        else None
+                    ),
+                )
+        except torch.OutOfMemoryError:
+            out_of_memory = True  # reported below, once the traceback no longer pins tensors
+        finally:
+            if run is not None:
+                run.close()  # a stopped run's loop lets go of its cache too
+            run = cache = None
+            if loop == "cached":
+                self._cache = None
+            _free(self.device)
+        if out_of_memory:
+            yield RunFinished(loop, "out_of_memory", done, f"out of memory at {P + done:,} tokens")
+            return
+        yield RunFinished(loop, "done", done, kv_bytes_allocated=allocated)
+
+    def close(self) -> None:
+        self._cache = None
+        _free(self.device)
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the loaded parameters (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def open_hf_engine(settings: RunSettings) -> HFEngine:
+    """The model in the directory `hf:DIR` names, loaded offline; `EngineError` for a directory
+    kvtui cannot run, before anything is allocated when that can be known."""
+    arg = settings.engine.partition(":")[2].strip()
+    if not arg:
+        raise EngineError("--model needs a directory (hf:DIR)")
+    directory = Path(arg).expanduser()
+    if settings.tokens < 1:
+        raise EngineError("tokens must be at least 1")
+    config = _read_config(directory)
+    transformers = _import_transformers()
+    check_architecture(transformers, directory, config)
+    try:
+        spec = model_from_hf_config(directory / "config.json")
+    except ConfigError as exc:
+        raise EngineError(f"unsupported architecture: {exc}") from None
+    torch.set_num_threads(max(1, settings.threads))
+    device = pick_device(settings.device)
+    dtype = default_dtype(device)
+    label = model_label(directory, config)
+    with _quiet(transformers):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                str(directory), local_files_only=True, trust_remote_code=False
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise EngineError(
+                f"cannot load the tokenizer in {directory}: {_one_line(exc)}"
+            ) from None
+        ids = prompt_ids(tokenizer, settings.prompt)
+        check_fits(spec, directory, device, dtype, len(ids) + settings.tokens)
+        model = load_model(transformers, directory, device, dtype)
+    if spec.active_params is None:  # the measured count, for the bytes each step reads
+        spec = replace(spec, params=sum(p.numel() for p in model.parameters()))
+    spec = replace(spec, name=label, display_name=label)
+    return HFEngine(settings, transformers, model, tokenizer, spec, device, label, ids)

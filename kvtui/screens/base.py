@@ -1,0 +1,176 @@
+"""What every lesson screen shares: the header line, the too-small note and a throttled redraw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Container
+from textual.events import Resize
+from textual.message import Message
+from textual.reactive import reactive
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from kvtui.screens.live import LiveRun
+from kvtui.widgets.header import RunHeader
+from kvtui.widgets.too_small import TooSmall, too_small
+
+REDRAWS_PER_SECOND = 10
+"""How often a screen may redraw from new engine data (the issue allows up to ~20)."""
+
+
+class LessonScreen(Screen):
+    """A screen of the lesson: header, title, body (from `compose_body`), footer.
+
+    Subclasses implement `compose_body` and `redraw`. `redraw` runs from a timer, at most
+    REDRAWS_PER_SECOND times a second, and only when the run changed or `mark_dirty` was called,
+    and only while this screen is the one shown: a paused app does no drawing at all.
+    """
+
+    TITLE_TEXT = ""
+
+    def __init__(self, live: LiveRun, *, name: str | None = None) -> None:
+        super().__init__(name=name)
+        self.live = live
+        self._drawn_version = -1
+        self._dirty = True
+        self.ready = False
+        """True once composed and mounted: before that there are no widgets to update."""
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader()
+        yield Static(self.TITLE_TEXT, classes="lesson-title")
+        with Container(classes="lesson-body"):
+            yield from self.compose_body()
+        yield TooSmall()
+        yield Footer(show_command_palette=False)
+
+    def compose_body(self) -> ComposeResult:
+        yield from ()
+
+    def on_mount(self) -> None:
+        self.ready = True
+        self.set_interval(1 / REDRAWS_PER_SECOND, self._tick)
+        self._check_size(self.app.size.width, self.app.size.height)
+
+    def on_screen_resume(self) -> None:
+        self.mark_dirty()
+        self._tick()
+
+    def on_resize(self, event: Resize) -> None:
+        self._check_size(event.size.width, event.size.height)
+
+    def _check_size(self, width: int, height: int) -> None:
+        small = too_small(width, height)
+        self.set_class(small, "-too-small")
+        if small:
+            self.query_one(TooSmall).show_size(width, height)
+
+    def mark_dirty(self) -> None:
+        """Redraw at the next tick even if the run has not changed."""
+        self._dirty = True
+
+    def _tick(self) -> None:
+        if not self.is_current or self.has_class("-too-small"):
+            return
+        if not self._dirty and self._drawn_version == self.live.version:
+            return
+        self._dirty = False
+        self._drawn_version = self.live.version
+        self.query_one(RunHeader).show(
+            self.live.device_description,
+            self.live.settings.engine,
+            self._model_words(),
+            self.live.state,
+            self._status_words(),
+        )
+        self.redraw()
+
+    def _model_words(self) -> str:
+        started = self.live.started
+        if started is None:
+            return ""
+        parts = [] if started.model in self.live.settings.engine else [started.model]
+        if not started.device.startswith("sim"):
+            parts.append(started.device)
+        parts.append(started.dtype)
+        if started.threads > 0:
+            parts.append(f"{started.threads} thread{'s' if started.threads != 1 else ''}")
+        return ", ".join(parts)
+
+    def _status_words(self) -> str:
+        words = self.live.status_line()
+        if self.live.state in ("failed", "done", "stopped"):
+            words += " · r restarts"
+        return words
+
+    def redraw(self) -> None:
+        """Push the run and this screen's settings into its widgets."""
+
+
+MIN_LENGTH = 1
+MAX_LENGTH = 4096
+
+
+def length_step(length: int) -> int:
+    """How far one press of left/right moves the answer length: finer when it is short."""
+    if length < 64:
+        return 1
+    if length < 512:
+        return 16
+    return 128
+
+
+class WorkScreen(LessonScreen):
+    """A lesson screen about decode work for a chosen answer length (screens 1 and 2)."""
+
+    BINDINGS = [
+        Binding("right,plus,equals_sign", "longer", "Length", key_display="←→"),
+        Binding("left,minus", "shorter", "Length -", show=False),
+        Binding("shift+right,ctrl+right", "double", "x2", show=False),
+        Binding("shift+left,ctrl+left", "halve", "/2", show=False),
+    ]
+
+    length: reactive[int] = reactive(24, init=False)
+
+    @dataclass
+    class LengthChosen(Message):
+        """The user set the answer length on this screen (other screens follow it)."""
+
+        length: int
+
+    def __init__(self, live: LiveRun, length: int = 24, *, name: str | None = None) -> None:
+        super().__init__(live, name=name)
+        self.set_reactive(WorkScreen.length, self.validate_length(length))
+
+    def validate_length(self, length: int) -> int:
+        return max(MIN_LENGTH, min(MAX_LENGTH, int(length)))
+
+    def watch_length(self, length: int) -> None:
+        self.show_cards()
+        self.mark_dirty()
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.show_cards()
+
+    def _choose(self, length: int) -> None:
+        self.length = length
+        self.post_message(self.LengthChosen(self.length))
+
+    def action_longer(self) -> None:
+        self._choose(self.length + length_step(self.length))
+
+    def action_shorter(self) -> None:
+        self._choose(self.length - length_step(self.length - 1))
+
+    def action_double(self) -> None:
+        self._choose(self.length * 2)
+
+    def action_halve(self) -> None:
+        self._choose(self.length // 2)
+
+    def show_cards(self) -> None:
+        """Put the figures for the chosen length on the cards (immediately, not on the tick)."""

@@ -1,0 +1,203 @@
+"""The running engine as the screens see it: what has arrived so far, bounded, without widgets.
+
+The app's decode worker posts batches of engine events; the app folds them into one `LiveRun`,
+which every lesson screen was given in its constructor. A screen never redraws per event: it
+compares `LiveRun.version` with the version it last drew, from a timer of its own, so a run of
+10,000 steps a second still costs at most that timer's rate in redraws.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvtui.sim.steps import Loop, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
+
+RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
+
+MAX_POINTS = 2048
+"""Points kept per chart series; past it every other point is dropped (the stride doubles)."""
+
+MAX_TEXT_CHARS = 6000
+"""Characters of each token stream kept for display (the tail)."""
+
+RECENT_STEPS = 64
+"""Cached steps whose bandwidth is averaged for the live figure."""
+
+
+@dataclass
+class Series:
+    """One measured quantity per step, downsampled by a doubling stride to stay bounded."""
+
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    stride: int = 1
+
+    def add(self, step: int, value: float) -> None:
+        if step % self.stride:
+            return
+        self.steps.append(step)
+        self.values.append(value)
+        if len(self.steps) > MAX_POINTS:
+            self.stride *= 2
+            kept = [i for i, s in enumerate(self.steps) if s % self.stride == 0]
+            self.steps = [self.steps[i] for i in kept]
+            self.values = [self.values[i] for i in kept]
+
+
+@dataclass
+class LoopTrace:
+    """What one loop (cached or uncached) has produced so far."""
+
+    steps: int = 0
+    text: str = ""
+    """The tail of the generated text (at most MAX_TEXT_CHARS)."""
+    last_text: str = ""
+    """The text of the newest token, for marking the current step."""
+    token_ids: list[int] = field(default_factory=list)
+    seconds_total: float = 0.0
+    seconds_cumulative: list[float] = field(default_factory=list)
+    """Wall seconds after each step (one float per step: for the wall-time speedup)."""
+    step_seconds: Series = field(default_factory=Series)
+    positions: Series = field(default_factory=Series)
+    last: StepSample | None = None
+    recent_bandwidth: list[float] = field(default_factory=list)
+    finished: RunFinished | None = None
+
+    def add(self, sample: StepSample) -> None:
+        self.steps = sample.step + 1
+        self.text = (self.text + sample.text)[-MAX_TEXT_CHARS:]
+        self.last_text = sample.text
+        self.token_ids.append(sample.token_id)
+        self.seconds_total += sample.step_seconds
+        self.seconds_cumulative.append(self.seconds_total)
+        self.step_seconds.add(sample.step, sample.step_seconds)
+        self.positions.add(sample.step, sample.positions_computed)
+        self.last = sample
+        if sample.step_seconds > 0 and sample.step > 0:
+            self.recent_bandwidth.append(sample.bytes_read / sample.step_seconds)
+            del self.recent_bandwidth[:-RECENT_STEPS]
+
+
+@dataclass
+class LiveRun:
+    """Everything the screens show about the engine run, folded from its events."""
+
+    settings: RunSettings
+    device_description: str = "probing the device..."
+    probe: dict[str, Any] | None = None
+    started: RunStarted | None = None
+    state: RunState = "starting"
+    failure: str = ""
+    loops: dict[str, LoopTrace] = field(default_factory=dict)
+    version: int = 0
+    """Bumped on every change; screens redraw when it differs from what they drew."""
+
+    def __post_init__(self) -> None:
+        self.reset(self.settings)
+
+    def reset(self, settings: RunSettings) -> None:
+        """Forget the old run: a new one with these settings is starting."""
+        self.settings = settings
+        self.started = None
+        self.state = "starting"
+        self.failure = ""
+        self.loops = {"uncached": LoopTrace(), "cached": LoopTrace()}
+        self.version += 1
+
+    def set_probe(self, probe: dict[str, Any]) -> None:
+        self.probe = probe
+        self.device_description = str(probe.get("description") or "device unknown")
+        self.version += 1
+
+    def set_state(self, state: RunState) -> None:
+        self.state = state
+        self.version += 1
+
+    def apply(self, event: RunStarted | StepSample | RunFinished | RunFailed) -> None:
+        """Fold one engine event in."""
+        if isinstance(event, StepSample):
+            self.loops[event.loop].add(event)
+            if self.state == "starting":
+                self.state = "running"
+        elif isinstance(event, RunStarted):
+            self.started = event
+            if self.state == "starting":
+                self.state = "running"
+        elif isinstance(event, RunFinished):
+            self.loops[event.loop].finished = event
+            if all(
+                self.loops[loop].finished is not None for loop in self.settings.loops
+            ) and self.state not in ("failed", "stopped"):
+                self.state = "done"
+        elif isinstance(event, RunFailed):
+            self.state = "failed"
+            self.failure = event.message
+        self.version += 1
+
+    # --- what the screens ask ---------------------------------------------------------------
+
+    def loop(self, name: Loop) -> LoopTrace:
+        return self.loops[name]
+
+    @property
+    def model(self) -> str:
+        return self.started.model if self.started else self.settings.engine
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.started.prompt_tokens if self.started else 0
+
+    def first_divergence(self) -> int | None:
+        """The first step at which the two loops chose different tokens; None if none yet."""
+        a, b = self.loops["uncached"].token_ids, self.loops["cached"].token_ids
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            if x != y:
+                return i
+        return None
+
+    def compared_steps(self) -> int:
+        """Steps that both loops have produced."""
+        return min(self.loops["uncached"].steps, self.loops["cached"].steps)
+
+    def wall_speedup(self) -> float | None:
+        """Uncached over cached wall seconds, over the steps both loops have done."""
+        n = self.compared_steps()
+        if n == 0:
+            return None
+        uncached = self.loops["uncached"].seconds_cumulative[n - 1]
+        cached = self.loops["cached"].seconds_cumulative[n - 1]
+        return uncached / cached if cached > 0 else None
+
+    def achieved_bandwidth(self) -> float | None:
+        """Median bytes read per second of the recent cached steps (the step itself excluded the
+        prefill, whose bytes and time are of a different kind)."""
+        recent = self.loops["cached"].recent_bandwidth
+        return statistics.median(recent) if recent else None
+
+    def kv_bytes_measured(self) -> tuple[int, int] | None:
+        """(KV bytes the engine holds, the formula's bytes for the same positions), or None.
+
+        After the step at `position` the cache holds keys and values of positions 0 .. position-1
+        (the new token's own are written when it is fed back in, at the next step)."""
+        last = self.loops["cached"].last
+        if last is None or self.started is None:
+            return None
+        return last.kv_bytes, self.started.kv_bytes_per_token * last.position
+
+    def status_line(self) -> str:
+        """The run state in a few words, for the header."""
+        total = self.settings.tokens
+        done = max((trace.steps for trace in self.loops.values()), default=0)
+        if self.state == "failed":
+            return f"failed: {self.failure}" if self.failure else "failed"
+        if self.state == "starting":
+            return "starting the engine..."
+        words = {
+            "running": "running",
+            "paused": "paused",
+            "done": "done",
+            "stopped": "stopped",
+        }[self.state]
+        return f"{words} · step {done:,}/{total:,}"

@@ -1,0 +1,273 @@
+"""Screen 3: the cache grows and eats memory."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Static
+from textual_plotext.plot import Plot
+
+from kvtui.format import (
+    format_bandwidth,
+    format_bytes,
+    format_int,
+    format_percent,
+)
+from kvtui.screens.base import LessonScreen
+from kvtui.screens.live import LiveRun
+from kvtui.sim.catalog import GIB, dtype_names, get_gpu, get_model, gpu_names, model_names
+from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
+from kvtui.widgets.cards import StatCard
+from kvtui.widgets.chart import Chart, nice_ticks, sample_points, short_number
+from kvtui.widgets.vram import VramBar
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+MIN_CONTEXT, MAX_CONTEXT = 1, 16_777_216
+
+
+def fine_step(context: int) -> int:
+    """One press of left/right: 1,000 tokens, more on long contexts."""
+    if context < 32_000:
+        return 1_000
+    if context < 128_000:
+        return 4_000
+    return 16_000
+
+
+def gpu_from_probe(probe: dict | None) -> str | None:
+    """The catalog GPU the probe found, by its name and memory; None without a match."""
+    name = str((probe or {}).get("name") or "").lower()
+    if not name:
+        return None
+    total = (probe or {}).get("total_bytes") or 0
+    for key in ("h200", "b200", "h100", "mi300x", "rtx-4090", "l4", "t4"):
+        if key.replace("rtx-", "") in name:
+            return key
+    if "a100" in name:
+        return "a100-80gb" if total > 48 * GIB else "a100-40gb"
+    return None
+
+
+MEMORY_CAPTION = (
+    "[$warning]━[/] memory used against context   [$error]━[/] the GPU's capacity   "
+    "│ the context chosen"
+)
+
+
+class MemoryScreen(LessonScreen):
+    """A VRAM bar, a budget's cards and a memory-against-context chart, plus the live engine."""
+
+    TITLE_TEXT = "3 · The cache grows and eats memory"
+
+    BINDINGS = [
+        Binding("right", "context(1)", "Context", key_display="←→ -+"),
+        Binding("left", "context(-1)", "Context -", show=False),
+        Binding("plus,equals_sign", "context_scale(2)", "Context x2", show=False),
+        Binding("minus", "context_scale(0.5)", "Context /2", show=False),
+        Binding("m", "next_model", "Model", show=False),
+        Binding("g", "next_gpu", "GPU", show=False),
+        Binding("k", "next_kv_dtype", "KV dtype", show=False),
+        Binding("b", "next_batch", "Batch", show=False),
+        Binding("t", "quiz", "Quiz"),
+    ]
+
+    model: reactive[str] = reactive(LESSON_BUDGET.model, init=False)
+    gpu: reactive[str] = reactive(LESSON_BUDGET.gpu, init=False)
+    kv_dtype: reactive[str] = reactive(LESSON_BUDGET.kv_dtype, init=False)
+    batch: reactive[int] = reactive(LESSON_BUDGET.batch, init=False)
+    context: reactive[int] = reactive(LESSON_BUDGET.context_tokens, init=False)
+
+    def __init__(self, live: LiveRun, *, name: str | None = None) -> None:
+        super().__init__(live, name=name)
+        self._gpu_chosen = False
+
+    def compose_body(self) -> ComposeResult:
+        with Horizontal(classes="cards"):
+            yield StatCard("KV CACHE", id="kv")
+            yield StatCard("OF VRAM", id="share")
+            yield StatCard("STATUS", id="status")
+            yield StatCard("MAX CONTEXT", id="max-context")
+        yield VramBar()
+        with Horizontal(classes="middle"):
+            with Vertical(classes="chart-box"):
+                yield Chart(id="memory-chart")
+                yield Static(MEMORY_CAPTION, classes="caption")
+            with Vertical(classes="side"):
+                yield Static("", id="scenario")
+                yield Static("", id="live-line")
+        yield Static("", classes="narrative", id="advice")
+
+    # --- the scenario ------------------------------------------------------------------------
+
+    def validate_context(self, context: int) -> int:
+        return max(MIN_CONTEXT, min(MAX_CONTEXT, int(context)))
+
+    def validate_batch(self, batch: int) -> int:
+        return max(1, int(batch))
+
+    def _changed(self) -> None:
+        self.show_budget()
+        self.mark_dirty()
+
+    watch_model = watch_gpu = watch_kv_dtype = watch_batch = watch_context = _changed
+
+    def choose(self, *, model: str | None = None, gpu: str | None = None) -> None:
+        """Set the model or GPU (from the command palette)."""
+        if model is not None:
+            self.model = get_model(model).name
+        if gpu is not None:
+            self._gpu_chosen = True
+            self.gpu = get_gpu(gpu).name
+
+    def action_context(self, direction: int) -> None:
+        if direction > 0:
+            self.context = self.context + fine_step(self.context)
+        else:
+            self.context = self.context - fine_step(self.context - 1)
+
+    def action_context_scale(self, factor: float) -> None:
+        self.context = round(self.context * factor)
+
+    @staticmethod
+    def _next(values: list, current: object) -> object:
+        return values[(values.index(current) + 1) % len(values)] if current in values else values[0]
+
+    def action_next_model(self) -> None:
+        self.model = self._next(model_names(), self.model)
+
+    def action_next_gpu(self) -> None:
+        self._gpu_chosen = True
+        self.gpu = self._next(gpu_names(), self.gpu)
+
+    def action_next_kv_dtype(self) -> None:
+        self.kv_dtype = self._next(dtype_names(), self.kv_dtype)
+
+    def action_next_batch(self) -> None:
+        self.batch = self._next(list(BATCHES), self.batch)
+
+    def action_quiz(self) -> None:
+        from kvtui.screens.quiz import QuizScreen
+
+        self.app.push_screen(QuizScreen())
+
+    def budget(self) -> Budget:
+        return budget(
+            get_model(self.model),
+            get_gpu(self.gpu),
+            self.context,
+            self.batch,
+            self.kv_dtype,
+            get_model(self.model).default_dtype,
+        )
+
+    # --- drawing -----------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        self.show_budget()
+
+    def show_budget(self) -> None:
+        if not self.ready:
+            return
+        b = self.budget()
+        over = not b.fits
+        kv = self.query_one("#kv", StatCard)
+        kv.value = format_bytes(b.kv_bytes)
+        kv.note = f"{format_bytes(b.kv_bytes_per_token)}/token"
+        share = self.query_one("#share", StatCard)
+        share.value = format_percent(b.kv_fraction_of_vram)
+        share.note = f"of {format_bytes(b.vram_bytes)}"
+        status = self.query_one("#status", StatCard)
+        status.value = "OVERFLOW" if over else "FITS"
+        status.note = "it stops" if over else f"{format_bytes(b.free_bytes)} free"
+        status.set_class(over, "-bad")
+        status.set_class(not over, "-good")
+        longest = self.query_one("#max-context", StatCard)
+        if b.max_context_tokens is None:
+            longest.value, longest.note = "no limit", "every layer slides"
+        else:
+            longest.value = format_int(b.max_context_tokens)
+            longest.note = f"tokens x {b.batch}"
+        self.query_one(VramBar).show(
+            vram_split(b),
+            f"{b.gpu_label}: {format_bytes(b.vram_bytes)}",
+            (b.weights_bytes, b.kv_bytes, b.reserve_bytes, max(0, b.free_bytes)),
+        )
+        self.set_class(over, "-overflow")
+        self.query_one("#scenario", Static).update(
+            f"[b]{b.model_label}[/b] on [b]{b.gpu}[/b]\n"
+            f"context {format_int(b.context_tokens)} tokens (←/→, -/+)\n"
+            f"batch {b.batch} (b) · KV {b.kv_dtype} (k)\n"
+            f"weights {b.weights_dtype}: {format_bytes(b.weights_bytes)}\n"
+            "m model · g GPU · t quiz"
+        )
+        advice = self.query_one("#advice", Static)
+        if over:
+            advice.update(
+                "Past capacity the next token has nowhere to keep its keys and values: "
+                "generation stops. " + " ".join(b.advice)
+            )
+        else:
+            advice.update(
+                "Every token keeps its keys and values in every layer, for every sequence in "
+                "the batch: the cache grows linearly with context and batch until memory, "
+                "not compute, runs out. " + " ".join(b.advice)
+            )
+
+    def redraw(self) -> None:
+        if not self._gpu_chosen:
+            detected = gpu_from_probe(self.live.probe)
+            if detected and detected != self.gpu:
+                self.gpu = detected
+        self.query_one("#live-line", Static).update(self._live_words())
+        self.query_one("#memory-chart", Chart).draw(self._draw_memory)
+
+    def _live_words(self) -> str:
+        started = self.live.started
+        if started is None:
+            return "[dim]The running engine's memory appears here once it starts.[/dim]"
+        lines = [f"[b]Running:[/b] {started.model} ({started.device})"]
+        measured = self.live.kv_bytes_measured()
+        if measured:
+            held, formula = measured
+            mark = "= formula" if held == formula else f"formula {format_bytes(formula)}"
+            lines.append(f"KV held {format_bytes(held)} ({mark})")
+        last = self.live.loop("cached").last
+        if last and last.device_memory_bytes:
+            lines.append(f"device memory in use {format_bytes(last.device_memory_bytes)}")
+        achieved = self.live.achieved_bandwidth()
+        if achieved:
+            peak = started.peak_bandwidth_bytes_per_s
+            if peak:
+                lines.append(
+                    f"reads {format_bandwidth(achieved)} of {format_bandwidth(peak)} peak "
+                    f"({format_percent(achieved / peak)})"
+                )
+            else:
+                lines.append(f"reads {format_bandwidth(achieved)} (peak unknown)")
+        if last and last.bytes_read:
+            lines.append(f"{last.flops / last.bytes_read:.1f} FLOPs per byte: memory-bound")
+        return "\n".join(lines)
+
+    def _draw_memory(self, plt: Plot, points: int) -> None:
+        chart = self.query_one("#memory-chart", Chart)
+        b = self.budget()
+        spec = get_model(self.model)
+        fixed = b.weights_bytes + b.reserve_bytes
+        longest = b.max_context_tokens or self.context
+        right = max(self.context, longest) * 1.25
+        xs = sample_points(int(right), points, first=0)
+        ys = [(fixed + kv_bytes(spec, x, b.batch, b.kv_dtype)) / GIB for x in xs]
+        color = chart.rgb("error") if not b.fits else chart.rgb("warning")
+        plt.plot(xs, ys, color=color, marker="braille")
+        plt.hline(b.vram_bytes / GIB, color=chart.rgb("error"))
+        plt.vline(self.context, color=chart.muted("foreground", 0.6))
+        top = max(ys[-1], b.vram_bytes / GIB) * 1.08
+        plt.xlim(0, right)
+        plt.ylim(0, top)
+        xt = nice_ticks(right, 4)
+        plt.xticks(xt, [short_number(t) for t in xt])
+        yt = nice_ticks(top, 4)
+        plt.yticks(yt, [f"{short_number(t)} GiB" for t in yt])

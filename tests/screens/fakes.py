@@ -1,0 +1,145 @@
+"""A fake engine for screen tests: the EngineProcess contract, events from a list, no process."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from kvtui.sim.catalog import get_gpu, get_model
+from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
+from kvtui.sim.steps import Event, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.sim.work import decode_step_bytes, decode_step_flops, uncached_step_flops
+
+WORDS = [
+    "It",
+    "was",
+    "the",
+    "best",
+    "of",
+    "times",
+    ",",
+    "it",
+    "was",
+    "the",
+    "worst",
+    "of",
+    "times",
+    ",",
+    "it",
+    "was",
+    "the",
+    "age",
+    "of",
+    "wisdom",
+]
+
+
+def sim_events(
+    settings: RunSettings, model: str = "llama-3.1-8b", gpu: str = "h100"
+) -> list[Event]:
+    """A deterministic run of both loops in lockstep, timed by a made-up but fixed rule."""
+    spec, card = get_model(model), get_gpu(gpu)
+    prompt = 9
+    per_token = kv_bytes_per_token(spec, "bf16")
+    events: list[Event] = [
+        RunStarted(
+            engine=settings.engine,
+            model=model,
+            device=f"sim: {gpu}",
+            dtype="bf16",
+            layers=spec.layers,
+            kv_heads=spec.kv_heads,
+            head_dim=spec.head_dim,
+            kv_bytes_per_token=per_token,
+            weights_bytes=weights_bytes(spec, "bf16"),
+            prompt_tokens=prompt,
+            tokens=settings.tokens,
+            peak_bandwidth_bytes_per_s=card.bandwidth_bytes_per_s,
+            device_memory_total_bytes=card.memory_bytes,
+        )
+    ]
+    for step in range(settings.tokens):
+        position = prompt + step
+        text = ("" if step == 0 else " ") + WORDS[step % len(WORDS)]
+        for loop in settings.loops:
+            cached = loop == "cached"
+            computed = (prompt + 1 if step == 0 else 1) if cached else position + 1
+            bytes_read = decode_step_bytes(spec, position + 1)
+            flops = (
+                decode_step_flops(spec, position + 1)
+                if cached
+                else uncached_step_flops(spec, position + 1)
+            )
+            seconds = 0.004 + 0.00001 * position if cached else 0.004 + 0.0009 * position
+            events.append(
+                StepSample(
+                    loop=loop,
+                    step=step,
+                    position=position,
+                    token_id=step % len(WORDS),
+                    text=text,
+                    positions_computed=computed,
+                    flops=flops,
+                    bytes_read=bytes_read,
+                    step_seconds=seconds,
+                    kv_bytes=per_token * (position + 1) if cached else 0,
+                )
+            )
+    events += [RunFinished(loop, "done", settings.tokens) for loop in settings.loops]
+    return events
+
+
+class FakeEngine:
+    """Yields a list of events; can hold before a step (`hold_at`) until closed, like a slow run."""
+
+    instances: list[FakeEngine] = []
+
+    def __init__(
+        self,
+        settings: RunSettings,
+        events: list[Event] | None = None,
+        hold_at: int | None = None,
+        fail_start: Exception | None = None,
+    ) -> None:
+        self.settings = settings
+        self._events = sim_events(settings) if events is None else events
+        self._hold_at = hold_at
+        self._fail_start = fail_start
+        self._closed = threading.Event()
+        self._resumed = threading.Event()
+        self._resumed.set()
+        self.started = False
+        self.paused_calls = 0
+        FakeEngine.instances.append(self)
+
+    def start(self) -> None:
+        if self._fail_start is not None:
+            raise self._fail_start
+        self.started = True
+
+    def events(self) -> Iterator[Event]:
+        for i, event in enumerate(self._events):
+            if self._hold_at is not None and i >= self._hold_at:
+                self._closed.wait()
+            self._resumed.wait()
+            if self._closed.is_set():
+                return
+            yield event
+
+    def pause(self) -> None:
+        self.paused_calls += 1
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    def stop(self) -> None:
+        self._closed.set()
+
+    def close(self, timeout: float = 1.0) -> None:
+        self._closed.set()
+        self._resumed.set()
+
+    @property
+    def alive(self) -> bool:
+        return self.started and not self._closed.is_set()
