@@ -19,6 +19,7 @@ from safetensors import safe_open
 from kvtui.format import format_bytes
 from kvtui.gpu.decode import Sampling, cached_loop, encode_text, uncached_loop
 from kvtui.gpu.model import ModelArgs, Transformer
+from kvtui.gpu.probe import open_probe
 from kvtui.paths import asset_path
 from kvtui.sim.catalog import ModelSpec, UnknownNameError, get_model
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
@@ -49,6 +50,17 @@ def pick_device(name: str) -> torch.device:
             raise EngineError("--device cuda: no CUDA device is available (torch sees none)")
         return torch.device(name)
     raise EngineError(f"unknown device {name!r}: use auto, cpu or cuda")
+
+
+def describe_device(device: torch.device) -> tuple[str, int | None, float | None]:
+    """Where a run happens, in words; the device's memory; its peak bandwidth (NVML) if known."""
+    if device.type != "cuda":
+        return "cpu", None, None
+    index = device.index or 0
+    total = torch.cuda.get_device_properties(device).total_memory
+    with open_probe(index) as probe:  # NVML: peak bandwidth from memory clock x bus width
+        peak = probe.read().peak_bandwidth_bytes_per_s
+    return f"cuda:{index} ({torch.cuda.get_device_name(device)})", total, peak
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -124,7 +136,7 @@ def _params_of(args: ModelArgs) -> int:
     )
 
 
-def _available_bytes(device: torch.device) -> tuple[int, str]:
+def available_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free, f"free memory on {torch.cuda.get_device_name(device)}"
@@ -142,7 +154,7 @@ def build_shape(
     args = args_for_shape(spec)
     element = torch.empty((), dtype=dtype).element_size()
     need = _params_of(args) * element + kv_bytes(spec, context, 1, _DTYPE_NAMES[dtype])
-    have, where = _available_bytes(device)
+    have, where = available_bytes(device)
     if need > have:
         raise EngineError(
             f"shape:{spec.name} needs {format_bytes(need)} (weights + KV cache for {context:,} "
@@ -187,11 +199,7 @@ class TorchEngine:
         return torch.randint(0, self.spec.vocab_size, (1, n), generator=gen).to(self.device)
 
     def started(self) -> RunStarted:
-        if self.device.type == "cuda":
-            where = f"cuda:{self.device.index or 0} ({torch.cuda.get_device_name(self.device)})"
-            total = torch.cuda.get_device_properties(self.device).total_memory
-        else:
-            where, total = "cpu", None
+        where, total, peak = describe_device(self.device)
         return RunStarted(
             engine=self.settings.engine,
             model=self.label,
@@ -205,6 +213,7 @@ class TorchEngine:
             prompt_tokens=self._prompt().shape[1],
             tokens=self.settings.tokens,
             threads=torch.get_num_threads(),
+            peak_bandwidth_bytes_per_s=peak,
             device_memory_total_bytes=total,
         )
 

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from kvtui.format import format_bytes
 from kvtui.gpu.decode import Sampler, Sampling, synchronize
-from kvtui.gpu.engine import _available_bytes, default_dtype, pick_device
+from kvtui.gpu.engine import available_bytes, default_dtype, describe_device, pick_device
 from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config, normalize_dtype
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
 from kvtui.sim.steps import EngineError, Loop, RunFinished, RunSettings, RunStarted, StepSample
@@ -157,7 +157,7 @@ def check_fits(
     element = torch.empty((), dtype=dtype).element_size()
     kv_dtype = normalize_dtype(str(dtype))
     need = spec.params * element + kv_bytes(spec, context, 1, kv_dtype)
-    have, where = _available_bytes(device)
+    have, where = available_bytes(device)
     if need > have:
         raise EngineError(
             f"{directory.name} needs {format_bytes(need)} (weights + KV cache for {context:,} "
@@ -406,11 +406,7 @@ class HFEngine:
         return normalize_dtype(str(next(self.model.parameters()).dtype))
 
     def started(self) -> RunStarted:
-        if self.device.type == "cuda":
-            where = f"cuda:{self.device.index or 0} ({torch.cuda.get_device_name(self.device)})"
-            total = torch.cuda.get_device_properties(self.device).total_memory
-        else:
-            where, total = "cpu", None
+        where, total, peak = describe_device(self.device)
         return RunStarted(
             engine=self.settings.engine,
             model=self.label,
@@ -424,6 +420,7 @@ class HFEngine:
             prompt_tokens=len(self.prompt),
             tokens=self.settings.tokens,
             threads=torch.get_num_threads(),
+            peak_bandwidth_bytes_per_s=peak,
             device_memory_total_bytes=total,
         )
 

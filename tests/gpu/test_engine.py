@@ -122,9 +122,7 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
 )
 def test_bad_engines_are_one_clear_error(engine, message, monkeypatch):
     # as if on a 16 GiB laptop, whatever this machine has
-    monkeypatch.setattr(
-        torch_engine, "_available_bytes", lambda device: (16 << 30, "free host RAM")
-    )
+    monkeypatch.setattr(torch_engine, "available_bytes", lambda device: (16 << 30, "free host RAM"))
     with pytest.raises(EngineError, match=message):
         open_engine(RunSettings(engine=engine, device="cpu", tokens=4))
 
