@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kvtui.format import format_bytes
-from kvtui.gpu.decode import Sampling, cached_loop, encode_text, uncached_loop
+from kvtui.gpu.decode import Sampling, Step, cached_loop, encode_text, uncached_loop
 from kvtui.gpu.model import ModelArgs, Transformer
 from kvtui.gpu.probe import open_probe
 from kvtui.paths import asset_path
@@ -177,6 +177,33 @@ def build_shape(
     return model.eval()
 
 
+def step_sample(
+    spec: ModelSpec, loop: Loop, step: Step, dtype: str, text: str, device: torch.device
+) -> StepSample:
+    """A measured step as the protocol's sample, with the FLOPs and bytes kvtui.sim counts."""
+    if loop == "cached" and step.index > 0:  # one new position against the cache
+        flops = decode_step_flops(spec, step.position)
+        read = decode_step_bytes(spec, step.position, dtype, dtype)
+    else:  # an uncached step, or the cached loop's prefill: many positions in one pass
+        flops = uncached_step_flops(spec, step.positions_computed)
+        read = uncached_step_bytes(spec, step.positions_computed, dtype, dtype)
+    return StepSample(
+        loop=loop,
+        step=step.index,
+        position=step.position,
+        token_id=step.token_id,
+        text=text,
+        positions_computed=step.positions_computed,
+        flops=flops,
+        bytes_read=read,
+        step_seconds=step.step_seconds,
+        kv_bytes=step.kv_bytes,
+        device_memory_bytes=(
+            torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+        ),
+    )
+
+
 @dataclass
 class TorchEngine:
     settings: RunSettings
@@ -232,38 +259,14 @@ class TorchEngine:
             return
         run = cached_loop if loop == "cached" else uncached_loop
         text = Utf8Stream()
-        dtype, allocated, done = self.dtype_name, None, 0
+        allocated, done = None, 0
         try:
             for step in run(self.model, prompt, s.tokens, sampling):
                 if loop == "cached":
                     allocated = self.model.kv_bytes_allocated
-                    if step.index == 0:
-                        flops = uncached_step_flops(self.spec, P)
-                        read = uncached_step_bytes(self.spec, P, dtype, dtype)
-                    else:
-                        flops = decode_step_flops(self.spec, step.position)
-                        read = decode_step_bytes(self.spec, step.position, dtype, dtype)
-                else:
-                    flops = uncached_step_flops(self.spec, step.positions_computed)
-                    read = uncached_step_bytes(self.spec, step.positions_computed, dtype, dtype)
                 done += 1
-                yield StepSample(
-                    loop=loop,
-                    step=step.index,
-                    position=step.position,
-                    token_id=step.token_id,
-                    text=text.push(step.token_id) if self.byte_level else f" {step.token_id}",
-                    positions_computed=step.positions_computed,
-                    flops=flops,
-                    bytes_read=read,
-                    step_seconds=step.step_seconds,
-                    kv_bytes=step.kv_bytes,
-                    device_memory_bytes=(
-                        torch.cuda.memory_allocated(self.device)
-                        if self.device.type == "cuda"
-                        else None
-                    ),
-                )
+                token_text = text.push(step.token_id) if self.byte_level else f" {step.token_id}"
+                yield step_sample(self.spec, loop, step, self.dtype_name, token_text, self.device)
         except torch.OutOfMemoryError:
             self.model.drop_caches()
             if self.device.type == "cuda":

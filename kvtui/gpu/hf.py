@@ -31,17 +31,17 @@ import torch
 from torch import Tensor
 
 from kvtui.format import format_bytes
-from kvtui.gpu.decode import Sampler, Sampling, synchronize
-from kvtui.gpu.engine import available_bytes, default_dtype, describe_device, pick_device
+from kvtui.gpu.decode import Sampler, Sampling, Step, synchronize
+from kvtui.gpu.engine import (
+    available_bytes,
+    default_dtype,
+    describe_device,
+    pick_device,
+    step_sample,
+)
 from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config, normalize_dtype
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
 from kvtui.sim.steps import EngineError, Loop, RunFinished, RunSettings, RunStarted, StepSample
-from kvtui.sim.work import (
-    decode_step_bytes,
-    decode_step_flops,
-    uncached_step_bytes,
-    uncached_step_flops,
-)
 
 NO_EXTRA = "--model needs the hf extra: pip install 'kvtui[hf]'"
 
@@ -249,18 +249,6 @@ def cache_bytes(cache: Any, positions: int | None = None) -> int:
 
 
 @dataclass(frozen=True)
-class HFStep:
-    """One measured decode step of a transformers model."""
-
-    index: int
-    position: int
-    token_id: int
-    positions_computed: int
-    step_seconds: float
-    kv_bytes: int
-
-
-@dataclass(frozen=True)
 class ForwardArgs:
     """How this transformers version's forward takes a cache and is told to skip logits."""
 
@@ -318,7 +306,7 @@ def recompute_all(model: torch.nn.Module, ids: Tensor, fwd: ForwardArgs) -> Tens
 
 def cached_loop(
     model: torch.nn.Module, cache: Any, prompt: Tensor, n_tokens: int, sampling: Sampling
-) -> Generator[HFStep, None, None]:
+) -> Generator[Step, None, None]:
     """Prefill, then one new position per step, through a cache sized for prompt + n_tokens."""
     device = prompt.device
     P = prompt.shape[1]
@@ -336,12 +324,12 @@ def cached_loop(
         token_id = int(token.item())
         synchronize(device)
         seconds = time.perf_counter() - t0
-        yield HFStep(i, P + i, token_id, computed, seconds, cache_bytes(cache, P + i))
+        yield Step(i, P + i, token_id, computed, seconds, cache_bytes(cache, P + i))
 
 
 def uncached_loop(
     model: torch.nn.Module, prompt: Tensor, n_tokens: int, sampling: Sampling
-) -> Generator[HFStep, None, None]:
+) -> Generator[Step, None, None]:
     """Every step runs the whole sequence so far: keys and values for every position, again."""
     device = prompt.device
     P = prompt.shape[1]
@@ -358,7 +346,7 @@ def uncached_loop(
         token_id = int(token.item())
         synchronize(device)
         seconds = time.perf_counter() - t0
-        yield HFStep(i, P + i, token_id, P + i, seconds, 0)
+        yield Step(i, P + i, token_id, P + i, seconds, 0)
 
 
 class TextStream:
@@ -438,9 +426,9 @@ class HFEngine:
             )
             return
         text = TextStream(self.tokenizer, self.prompt)
-        dtype, allocated, done, out_of_memory = self.dtype_name, None, 0, False
+        allocated, done, out_of_memory = None, 0, False
         cache: Any = None
-        run: Generator[HFStep, None, None] | None = None
+        run: Generator[Step, None, None] | None = None
         try:
             if loop == "cached":
                 cache = self._cache = new_cache(self.transformers, self.model, P + s.tokens)
@@ -450,33 +438,9 @@ class HFEngine:
             for step in run:
                 if loop == "cached":
                     allocated = cache_bytes(cache)
-                    if step.index == 0:
-                        flops = uncached_step_flops(self.spec, P)
-                        read = uncached_step_bytes(self.spec, P, dtype, dtype)
-                    else:
-                        flops = decode_step_flops(self.spec, step.position)
-                        read = decode_step_bytes(self.spec, step.position, dtype, dtype)
-                else:
-                    flops = uncached_step_flops(self.spec, step.positions_computed)
-                    read = uncached_step_bytes(self.spec, step.positions_computed, dtype, dtype)
                 done += 1
-                yield StepSample(
-                    loop=loop,
-                    step=step.index,
-                    position=step.position,
-                    token_id=step.token_id,
-                    text=text.push(step.token_id),
-                    positions_computed=step.positions_computed,
-                    flops=flops,
-                    bytes_read=read,
-                    step_seconds=step.step_seconds,
-                    kv_bytes=step.kv_bytes,
-                    device_memory_bytes=(
-                        torch.cuda.memory_allocated(self.device)
-                        if self.device.type == "cuda"
-                        else None
-                    ),
-                )
+                text_piece = text.push(step.token_id)
+                yield step_sample(self.spec, loop, step, self.dtype_name, text_piece, self.device)
         except torch.OutOfMemoryError:
             out_of_memory = True  # reported below, once the traceback no longer pins tensors
         finally:
