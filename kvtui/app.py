@@ -24,13 +24,13 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.message import Message
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from kvtui.screens.base import WorkScreen
+from kvtui.screens.base import MAX_LENGTH, WorkScreen
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import LiveRun
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import gpu_names, model_names
-from kvtui.sim.steps import Event, RunFailed, RunSettings
+from kvtui.sim.steps import Event, RunFailed, RunFinished, RunSettings
 
 MODES = ("recompute", "cache", "memory")
 """The lesson's screens, in order: keys 1, 2 and 3."""
@@ -134,6 +134,9 @@ class KVApp(App[int]):
     TITLE = "kvtui"
     CSS_PATH = "kvtui.tcss"
     COMMANDS = App.COMMANDS | {EngineCommands}
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (140, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
+    """Size classes on every screen, for the stylesheet: 80x24 is -narrow -short."""
 
     BINDINGS = [
         Binding("1", "screen(1)", "Screens", key_display="1 2 3"),
@@ -201,7 +204,7 @@ class KVApp(App[int]):
     def action_help(self) -> None:
         from kvtui.screens.help import HelpScreen
 
-        self.push_screen(HelpScreen())
+        self.push_screen(HelpScreen(self.live.device_description))
 
     def action_cache_on(self) -> None:
         """`c` on screen 1: turn the cache on, which is screen 2."""
@@ -243,7 +246,15 @@ class KVApp(App[int]):
         self.notify(f"Restarted with engine {engine}", timeout=3)
 
     def action_restart(self) -> None:
-        self.start_run()
+        """Restart the run; long enough for the chosen answer length (up to MAX_LENGTH)."""
+        settings, started = self.live.settings, self.live.started
+        wanted = min(MAX_LENGTH, self._lesson["recompute"].length)
+        if started is not None and started.max_positions is not None:
+            wanted = min(wanted, started.max_positions - started.prompt_tokens)
+        if wanted > settings.tokens:
+            settings = replace(settings, tokens=wanted)
+            self.notify(f"Restarted for {wanted:,} tokens", timeout=3)
+        self.start_run(settings)
 
     def action_pause(self) -> None:
         if self.engine is None:
@@ -324,7 +335,16 @@ class KVApp(App[int]):
         if message.run_id != self._run_id:
             return
         for event in message.events:
+            told = self.live.failure
             self.live.apply(event)
+            if isinstance(event, RunFinished) and event.message and event.message != told:
+                self.notify(
+                    f"The {event.loop} loop stopped: {event.message}."
+                    + (" Shorten the length, then press r." if event.reason == "error" else ""),
+                    title="Engine stopped",
+                    severity="error" if event.reason == "error" else "warning",
+                    timeout=8,
+                )
             if isinstance(event, RunFailed):
                 self.notify(
                     f"The engine stopped: {event.message}. Press r to restart.",

@@ -95,11 +95,6 @@ def recompute_all(model: Transformer, ids: Tensor) -> Tensor:
     return model(ids, start=0, use_cache=False)[:, -1]
 
 
-def _kv_bytes_filled(model: Transformer) -> int:
-    caches = model.caches or []
-    return sum(2 * c.k[:, :, : c.length].numel() * c.k.element_size() for c in caches)
-
-
 def cached_loop(
     model: Transformer, prompt: Tensor, n_tokens: int, sampling: Sampling
 ) -> Iterator[Step]:
@@ -121,7 +116,7 @@ def cached_loop(
             token_id = int(token.item())  # .item() synchronises too
             synchronize(device)
             seconds = time.perf_counter() - t0
-            yield Step(i, P + i, token_id, computed, seconds, _kv_bytes_filled(model))
+            yield Step(i, P + i, token_id, computed, seconds, model.kv_bytes_filled)
     finally:
         model.drop_caches()
 

@@ -242,6 +242,7 @@ class TorchEngine:
             threads=torch.get_num_threads(),
             peak_bandwidth_bytes_per_s=peak,
             device_memory_total_bytes=total,
+            max_positions=self.model.args.max_positions,
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:

@@ -410,6 +410,7 @@ class HFEngine:
             threads=torch.get_num_threads(),
             peak_bandwidth_bytes_per_s=peak,
             device_memory_total_bytes=total,
+            max_positions=self.spec.max_context,
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:

@@ -81,16 +81,21 @@ class KVCache(nn.Module):
     def allocated_bytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    @property
+    def filled_bytes(self) -> int:
+        """Bytes of the positions written so far (keys and values)."""
+        return self.allocated_bytes * self.length // self.max_len
+
     def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write `k`, `v` `(B, n_kv_head, T, head_dim)` at positions `start..start+T-1`; return
         the keys and values of every position so far, `(B, n_kv_head, length, head_dim)`."""
         end = start + k.shape[2]
         if end > self.max_len:
             raise IndexError(f"KV cache holds {self.max_len} positions; asked to write {end}")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
+        self.k.narrow(2, start, end - start).copy_(k)
+        self.v.narrow(2, start, end - start).copy_(v)
         self.length = max(self.length, end)
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+        return self.k.narrow(2, 0, self.length), self.v.narrow(2, 0, self.length)
 
 
 class RMSNorm(nn.Module):
@@ -100,21 +105,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        # x * rsqrt(mean(x^2) + eps) * weight, in one op
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def rope_tables(n_positions: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
-    """cos and sin tables `(n_positions, head_dim // 2)` for rotary embeddings (Su et al. 2021)."""
+def rope_table(n_positions: int, head_dim: int, base: float) -> Tensor:
+    """Rotary embeddings (Su et al. 2021): (cos, sin) `(n_positions, head_dim // 2, 2)` by which
+    position t turns the pair (x[2i], x[2i+1]): angle t / base^(2i / head_dim).
+
+    Kept real, not complex: `Module.to(dtype)` would cast a complex buffer to real and drop the
+    sines. `Transformer.forward` views it as complex, once per call."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(n_positions, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+    return torch.stack((angles.cos(), angles.sin()), dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs of `x` `(B, H, T, head_dim)` by its positions' angles `(T, head_dim // 2)`."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
+def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
+    """Rotate the pairs of `x` `(B, T, H, head_dim)` by the angles of its positions `(T, 1, hd//2)`:
+    one complex multiply (as in Llama's reference code)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, T, H, head_dim // 2)
+    return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
 
 
 class Attention(nn.Module):
@@ -126,32 +136,32 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.dim, self.q_dim + 2 * self.kv_dim, bias=False)
         self.wo = nn.Linear(self.q_dim, args.dim, bias=False)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, start: int
-    ) -> Tensor:
-        B, T, C = x.shape
+    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
+        B, T, _ = x.shape
         q, k, v = self.wqkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), freqs)
+        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), freqs)
+        q = q.transpose(1, 2)  # (B, n_head, T, head_dim)
+        k = k.transpose(1, 2)  # (B, n_kv_head, T, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
         S = k.shape[2]
         # Grouped-query attention: each key/value head serves n_head // n_kv_head query heads.
-        repeat = self.n_head // self.n_kv_head
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-        if T == S:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif T == 1:
+        if T == 1:
             # One new query sees every cached key. Not is_causal: SDPA aligns that mask top-left,
-            # so a single query would see only key 0.
-            y = F.scaled_dot_product_attention(q, k, v)
+            # so a single query would see only key 0. The query heads of one group become rows
+            # against their shared key/value head: no copy of the cache.
+            group = q.reshape(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)
+            y = F.scaled_dot_product_attention(group, k, v).reshape(
+                B, self.n_head, 1, self.head_dim
+            )
+        elif T == S:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             # Several new queries after a cached prefix: causal mask aligned bottom-right.
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.q_dim))
 
 
@@ -176,10 +186,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None, start: int
-    ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start)
+    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs, cache, start)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -191,9 +199,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args.max_positions, args.head_dim, args.rope_base)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        freqs = rope_table(args.max_positions, args.head_dim, args.rope_base)
+        self.register_buffer("rope", freqs, persistent=False)
         self.caches: list[KVCache] | None = None
 
     def init_weights(self, seed: int) -> None:
@@ -237,6 +244,10 @@ class Transformer(nn.Module):
     def kv_bytes_allocated(self) -> int:
         return sum(c.allocated_bytes for c in self.caches) if self.caches else 0
 
+    @property
+    def kv_bytes_filled(self) -> int:
+        return sum(c.filled_bytes for c in self.caches) if self.caches else 0
+
     def forward(self, idx: Tensor, start: int = 0, use_cache: bool = False) -> Tensor:
         """Logits `(B, T, vocab)` for tokens `idx` `(B, T)` at positions `start..start+T-1`.
 
@@ -249,8 +260,8 @@ class Transformer(nn.Module):
         caches = self.caches if use_cache else None
         if use_cache and caches is None:
             raise RuntimeError("setup_caches() first")
-        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        freqs = torch.view_as_complex(self.rope[start : start + T, None].float())  # (T, 1, hd // 2)
         x = self.tok_embeddings(idx)  # (B, T, dim)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, caches[i] if caches else None, start)
+            x = layer(x, freqs, caches[i] if caches else None, start)
         return self.output(self.norm(x))

@@ -150,11 +150,13 @@ class WorkScreen(LessonScreen):
 
     def watch_length(self, length: int) -> None:
         self.show_cards()
+        self.show_run_note()
         self.mark_dirty()
 
     def on_mount(self) -> None:
         super().on_mount()
         self.show_cards()
+        self.show_run_note()
 
     def _choose(self, length: int) -> None:
         self.length = length
@@ -174,3 +176,22 @@ class WorkScreen(LessonScreen):
 
     def show_cards(self) -> None:
         """Put the figures for the chosen length on the cards (immediately, not on the tick)."""
+
+    def beyond_run(self) -> bool:
+        """True when the chosen length is longer than the live run generates."""
+        return self.length > self.live.settings.tokens
+
+    def run_note(self) -> str:
+        """How much of the chosen length the live run covers, in a line."""
+        tokens = self.live.settings.tokens
+        if self.beyond_run():
+            return f"live run: {tokens:,} of {self.length:,} steps; r restarts with the new length"
+        return f"measured: steps 1-{self.length:,} of the live run's {tokens:,}"
+
+    def show_run_note(self) -> None:
+        """Put `run_note` in the `#run-note` line; `-beyond` marks a length past the run."""
+        if not self.ready:
+            return
+        note = self.query_one("#run-note", Static)
+        note.update(self.run_note())
+        note.set_class(self.beyond_run(), "-beyond")

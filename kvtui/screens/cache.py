@@ -22,7 +22,7 @@ from kvtui.sim.work import (
     work_summary,
 )
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Chart, nice_ticks, sample_points, short_number
+from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points, short_number
 from kvtui.widgets.stream import TokenStream
 
 
@@ -31,16 +31,17 @@ def ratio_text(ratio: float) -> str:
     return format_ratio(ratio).replace(".0x", "x")
 
 
-CAPTION = "[$primary]━[/] without a cache   [$success]━[/] with a cache   (answer tokens)"
+CAPTION = "[$primary]━[/] without a cache   [$success]━[/] with a cache   x: answer tokens"
+CAPTION_NARROW = "[$primary]━[/] without a cache  [$success]━[/] with a cache  x: tokens"
 
 
-def _axes(plt: Plot, length: int, top: float) -> None:
+def _axes(plt: Plot, length: int, top: float, rows: int) -> None:
     """Step axis 1..length and a work axis 0..top, with round, short tick labels."""
     plt.xlim(1, max(2, length))
     plt.ylim(0, top)
     xt = [t for t in nice_ticks(length, 4) if t >= 1] or [1]
     plt.xticks(xt, [short_number(t) for t in xt])
-    yt = nice_ticks(top, 3)
+    yt = fitting_ticks(top, 3, rows)
     plt.yticks(yt, [short_number(t) for t in yt])
 
 
@@ -49,7 +50,7 @@ class CacheScreen(WorkScreen):
 
     TITLE_TEXT = "2 · With the cache, you compute only the new token"
 
-    BINDINGS = [Binding("c", "toggle_cache", "Cache on/off")]
+    BINDINGS = [Binding("c", "toggle_cache", "Cache")]
 
     cache_on: reactive[bool] = reactive(True, init=False)
 
@@ -70,7 +71,9 @@ class CacheScreen(WorkScreen):
             with Vertical(classes="charts"):
                 yield Chart(id="per-step")
                 yield Chart(id="cumulative")
-                yield Static(CAPTION, classes="caption")
+                yield Static(CAPTION, classes="caption -wide-caption")
+                yield Static(CAPTION_NARROW, classes="caption -narrow-caption")
+                yield Static("", id="run-note", classes="run-note")
         yield Static("", classes="narrative", id="why")
 
     def watch_cache_on(self, cache_on: bool) -> None:
@@ -114,6 +117,7 @@ class CacheScreen(WorkScreen):
         )
         self._show_mark()
         self._show_measured()
+        self.show_run_note()
         self.query_one("#why", Static).update(self._why())
         self.query_one("#per-step", Chart).draw(self._draw_per_step)
         self.query_one("#cumulative", Chart).draw(self._draw_cumulative)
@@ -127,28 +131,25 @@ class CacheScreen(WorkScreen):
         if diverged is not None:
             mark.update(f"✗ first divergence at step {diverged + 1:,}")
         elif n:
-            mark.update(f"✓ identical: {n:,} tokens, both ways")
+            mark.update(f"✓ identical: all {n:,} tokens")
         else:
             mark.update("… comparing the two streams")
 
     def _why(self) -> str:
         cached = self.live.loop("cached").step_seconds
-        lines = [
-            "Measured is below the count: recomputing many positions in one batched pass costs "
-            "less per position than one-token steps."
-        ]
+        lines = ["Measured is below the count: a batched recompute costs less per position."]
         values = cached.values[1:]
         if len(values) >= 8:
             quarter = len(values) // 4
             early = statistics.median(values[:quarter])
             late = statistics.median(values[-quarter:])
             lines.append(
-                f"A cached step took {format_seconds(early)} early, {format_seconds(late)} lately: "
+                f"A cached step: {format_seconds(early)} early, {format_seconds(late)} lately; "
                 "it still reads every cached key and value (screen 3)."
             )
         else:
             lines.append(
-                "A cached step slowly gets dearer with position: it still reads every cached "
+                "A cached step gets slowly dearer with position: it still reads every cached "
                 "key and value (screen 3)."
             )
         return "\n".join(lines)
@@ -171,7 +172,9 @@ class CacheScreen(WorkScreen):
                 marker="braille",
             )
         plt.title("Work per step")
-        _axes(plt, length, naive_step_positions(length, prompt) * 1.05)
+        _axes(plt, length, naive_step_positions(length, prompt) * 1.05, chart.rows)
+        if self.has_class("-short"):  # the chart below labels the same steps: keep a row
+            plt.xticks([], [])
 
     def _draw_cumulative(self, plt: Plot, points: int) -> None:
         chart = self.query_one("#cumulative", Chart)
@@ -198,4 +201,4 @@ class CacheScreen(WorkScreen):
             if self.cache_on
             else "Total work without a cache"
         )
-        _axes(plt, length, naive_cumulative(length) * 1.05)
+        _axes(plt, length, naive_cumulative(length) * 1.05, chart.rows)

@@ -127,6 +127,9 @@ class LiveRun:
                 self.state = "running"
         elif isinstance(event, RunFinished):
             self.loops[event.loop].finished = event
+            if event.reason == "error":  # the engine refused or broke: say why in the header
+                self.state = "failed"
+                self.failure = event.message or "the engine stopped with an error"
             if all(
                 self.loops[loop].finished is not None for loop in self.settings.loops
             ) and self.state not in ("failed", "stopped"):

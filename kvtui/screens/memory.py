@@ -20,7 +20,7 @@ from kvtui.screens.live import LiveRun
 from kvtui.sim.catalog import GIB, dtype_names, get_gpu, get_model, gpu_names, model_names
 from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Chart, nice_ticks, sample_points, short_number
+from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points, short_number
 from kvtui.widgets.vram import VramBar
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -51,9 +51,10 @@ def gpu_from_probe(probe: dict | None) -> str | None:
 
 
 MEMORY_CAPTION = (
-    "[$warning]━[/] memory used against context   [$error]━[/] the GPU's capacity   "
+    "[$warning]━[/] memory in use, by context   [$error]━[/] the GPU's capacity   "
     "│ the context chosen"
 )
+MEMORY_CAPTION_NARROW = "[$warning]━[/] memory in use  [$error]━[/] capacity\n│ the context chosen"
 
 
 class MemoryScreen(LessonScreen):
@@ -93,11 +94,13 @@ class MemoryScreen(LessonScreen):
         with Horizontal(classes="middle"):
             with Vertical(classes="chart-box"):
                 yield Chart(id="memory-chart")
-                yield Static(MEMORY_CAPTION, classes="caption")
+                yield Static(MEMORY_CAPTION, classes="caption -wide-caption")
+                yield Static(MEMORY_CAPTION_NARROW, classes="caption -narrow-caption")
             with Vertical(classes="side"):
                 yield Static("", id="scenario")
                 yield Static("", id="live-line")
         yield Static("", classes="narrative", id="advice")
+        yield Static("", classes="narrative", id="advice-more")
 
     # --- the scenario ------------------------------------------------------------------------
 
@@ -197,24 +200,26 @@ class MemoryScreen(LessonScreen):
         )
         self.set_class(over, "-overflow")
         self.query_one("#scenario", Static).update(
-            f"[b]{b.model_label}[/b] on [b]{b.gpu}[/b]\n"
-            f"context {format_int(b.context_tokens)} tokens (←/→, -/+)\n"
+            f"[b]{b.model_label}[/b] ({b.weights_dtype}) on [b]{b.gpu}[/b]\n"
+            f"context {format_int(b.context_tokens)} tokens (←→ -+)\n"
             f"batch {b.batch} (b) · KV {b.kv_dtype} (k)\n"
-            f"weights {b.weights_dtype}: {format_bytes(b.weights_bytes)}\n"
             "m model · g GPU · t quiz"
         )
         advice = self.query_one("#advice", Static)
+        more = self.query_one("#advice-more", Static)
+        first, rest = " ".join(b.advice[:1]), " ".join(b.advice[1:])
         if over:
             advice.update(
                 "Past capacity the next token has nowhere to keep its keys and values: "
-                "generation stops. " + " ".join(b.advice)
+                f"generation stops. {first}"
             )
         else:
             advice.update(
-                "Every token keeps its keys and values in every layer, for every sequence in "
-                "the batch: the cache grows linearly with context and batch until memory, "
-                "not compute, runs out. " + " ".join(b.advice)
+                "Each token keeps its keys and values in every layer, for every sequence in the "
+                f"batch: the cache grows until memory, not compute, runs out. {first}"
             )
+        more.update(rest)
+        more.set_class(not rest, "-empty")
 
     def redraw(self) -> None:
         if not self._gpu_chosen:
@@ -225,15 +230,20 @@ class MemoryScreen(LessonScreen):
         self.query_one("#memory-chart", Chart).draw(self._draw_memory)
 
     def _live_words(self) -> str:
+        """The running engine, measured: KV held against the formula, device memory, achieved
+        bandwidth against the peak, and FLOPs per byte (the lesson's last claim)."""
         started = self.live.started
         if started is None:
             return "[dim]The running engine's memory appears here once it starts.[/dim]"
-        lines = [f"[b]Running:[/b] {started.model} ({started.device})"]
+        where = started.device.split(" (")[0]
+        if started.threads > 0 and not where.startswith("sim"):
+            where += f", {started.threads} thread{'s' if started.threads != 1 else ''}"
+        lines = [f"[b]Live:[/b] {started.model} on {where}"]
         measured = self.live.kv_bytes_measured()
         if measured:
             held, formula = measured
             mark = "= formula" if held == formula else f"formula {format_bytes(formula)}"
-            lines.append(f"KV held {format_bytes(held)} ({mark})")
+            lines.append(f"KV held {format_bytes(held)} {mark}")
         last = self.live.loop("cached").last
         if last and last.device_memory_bytes:
             lines.append(f"device memory in use {format_bytes(last.device_memory_bytes)}")
@@ -242,13 +252,13 @@ class MemoryScreen(LessonScreen):
             peak = started.peak_bandwidth_bytes_per_s
             if peak:
                 lines.append(
-                    f"reads {format_bandwidth(achieved)} of {format_bandwidth(peak)} peak "
+                    f"reads {format_bandwidth(achieved)}, peak {format_bandwidth(peak)} "
                     f"({format_percent(achieved / peak)})"
                 )
             else:
                 lines.append(f"reads {format_bandwidth(achieved)} (peak unknown)")
         if last and last.bytes_read:
-            lines.append(f"{last.flops / last.bytes_read:.1f} FLOPs per byte: memory-bound")
+            lines.append(f"{last.flops / last.bytes_read:.1f} FLOPs/byte: decode is memory-bound")
         return "\n".join(lines)
 
     def _draw_memory(self, plt: Plot, points: int) -> None:
@@ -269,5 +279,5 @@ class MemoryScreen(LessonScreen):
         plt.ylim(0, top)
         xt = nice_ticks(right, 4)
         plt.xticks(xt, [short_number(t) for t in xt])
-        yt = nice_ticks(top, 4)
+        yt = fitting_ticks(top, 4, chart.rows)
         plt.yticks(yt, [f"{short_number(t)} GiB" for t in yt])

@@ -16,13 +16,13 @@ QUESTION = (
 
 ANSWERS: tuple[tuple[str, bool, str], ...] = (
     (
-        "The GPU ran out of compute: attention over a long chat is too many FLOPs.",
+        "Compute: attention over a long chat needs more FLOPs than the GPU has.",
         False,
         "Not quite: a decode step does about 2 FLOPs per parameter plus a little attention, far "
         "below the GPU's peak. Compute was left over; something else filled up.",
     ),
     (
-        "GPU memory: the KV cache grows with every token and had no room for the next one.",
+        "GPU memory: the KV cache grew with every token and ran out of room.",
         True,
         "Right. Every token keeps its keys and values in every layer; past the memory left "
         "after the weights, the next token has nowhere to go. Shorter context, smaller batch, "

@@ -15,7 +15,9 @@ from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import (
     Chart,
     downsample,
+    fitting_ticks,
     nice_ticks,
+    rolling_median,
     sample_points,
     short_number,
     step_line,
@@ -23,15 +25,23 @@ from kvtui.widgets.chart import (
 from kvtui.widgets.stream import TokenStream
 
 NARRATIVE = (
-    "Keys and values are each token's saved notes, what later tokens look back at. Without a "
-    "cache, every step rebuilds the notes of every token so far: step t recomputes t "
-    "positions, so n tokens cost n(n+1)/2, growing with the square of the length."
+    "Keys and values are the saved notes of each token, read by every later token. Without a "
+    "cache each step rebuilds all notes so far: step t recomputes t positions, so n tokens cost "
+    "n(n+1)/2, growing with the square of the length."
 )
 
 CAPTION = (
-    "[$primary]━[/] positions recomputed at each step (answer tokens; "
-    "[$primary 50%]━[/] still to come)   [$warning]━[/] measured time per step, right axis"
+    "[$primary]━[/] positions recomputed per step   [$primary 50%]━[/] still to come\n"
+    "[$warning]━[/] measured time per step, smoothed (right axis)"
 )
+CAPTION_NARROW = (
+    "[$primary]━[/] positions recomputed  [$primary 50%]━[/] to come\n"
+    "[$warning]━[/] measured time per step, smoothed"
+)
+
+SMOOTHING_STEPS = 9
+"""The measured step times are drawn as a rolling median of this many steps (CPU steps jitter
++-20%, see TRIALS.md)."""
 
 
 class RecomputeScreen(WorkScreen):
@@ -51,7 +61,9 @@ class RecomputeScreen(WorkScreen):
             yield TokenStream("Without a cache", id="stream")
             with Vertical(classes="chart-box"):
                 yield Chart(id="staircase")
-                yield Static(CAPTION, classes="caption")
+                yield Static(CAPTION, classes="caption -wide-caption")
+                yield Static(CAPTION_NARROW, classes="caption -narrow-caption")
+                yield Static("", id="run-note", classes="run-note")
         yield Static(NARRATIVE, classes="narrative")
 
     def show_cards(self) -> None:
@@ -75,9 +87,12 @@ class RecomputeScreen(WorkScreen):
     def redraw(self) -> None:
         trace = self.live.loop("uncached")
         self.query_one(TokenStream).show(trace.text, trace.last_text, trace.steps)
+        self.show_run_note()
         self.query_one("#staircase", Chart).draw(self._draw_staircase)
 
     def _draw_staircase(self, plt: Plot, points: int) -> None:
+        """Counted work per step as a step line (the live run's steps bright, the rest muted),
+        and the measured time per step, smoothed, on the right axis."""
         chart = self.query_one("#staircase", Chart)
         length = self.length
         trace = self.live.loop("uncached")
@@ -88,27 +103,29 @@ class RecomputeScreen(WorkScreen):
         done = [t for t in steps if t <= trace.steps]
         if done:
             dx, dy = step_line(done, done) if stairs else (done, done)
-            plt.plot(dx, dy, color=chart.rgb("primary"), marker="braille", fillx=True)
-        timed = [
-            (s + 1, v)
-            for s, v in zip(trace.step_seconds.steps, trace.step_seconds.values, strict=True)
-            if s < length
-        ]
-        if timed:
-            tx, ty = downsample(*zip(*timed, strict=True), points)
-            top = max(ty) * 1.15
+            plt.plot(dx, dy, color=chart.rgb("primary"), marker="braille")
+        measured = trace.step_seconds
+        n = sum(1 for s in measured.steps if s < length)
+        if n:
+            at, _ = downsample(range(n), range(n), points)
+            smooth = rolling_median(measured.values[:n], SMOOTHING_STEPS, at=at)
+            top = max(smooth) * 1.15 or 1.0
             plt.plot(
-                list(tx),
-                [y / top for y in ty],
+                [measured.steps[i] + 1 for i in at],
+                [y / top for y in smooth],
                 color=chart.rgb("warning"),
                 marker="braille",
                 yside="right",
             )
-            ticks = nice_ticks(top, 3)
+            ticks = fitting_ticks(top, 3, chart.rows)
             plt.ylim(0, 1, yside="right")
-            plt.yticks([t / top for t in ticks], [format_seconds(t) for t in ticks], yside="right")
+            plt.yticks(
+                [t / top for t in ticks],
+                [format_seconds(t) if t else "0" for t in ticks],
+                yside="right",
+            )
         plt.ylim(0, length * 1.05)
-        left = nice_ticks(length, 4)
+        left = fitting_ticks(length, 4, chart.rows)
         plt.yticks(left, [short_number(t) for t in left])
         plt.xlim(0.5, length + 0.5)
         xt = [t for t in nice_ticks(length, 5) if t >= 1] or [1]

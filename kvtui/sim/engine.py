@@ -81,6 +81,7 @@ class SimEngine:
             threads=0,
             peak_bandwidth_bytes_per_s=self.gpu.bandwidth_bytes_per_s,
             device_memory_total_bytes=self.gpu.memory_bytes,
+            max_positions=m.max_context,
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:

@@ -75,6 +75,8 @@ class RunStarted:
     threads: int = 1
     peak_bandwidth_bytes_per_s: float | None = None
     device_memory_total_bytes: int | None = None
+    max_positions: int | None = None
+    """The most positions (prompt + answer) the model can run, where it has a limit."""
     kind: str = field(default="started", init=False)
 
 

@@ -12,7 +12,8 @@ _DIGIT_CHARS = set("0123456789.x+-")
 
 class StatCard(Widget):
     """A bordered card: LABEL in the border, the figure in big digits when it fits (plain bold
-    text when it does not, or has letters), and a short note under it."""
+    text when it does not, has letters, or the card is one line tall), and a short note under
+    it."""
 
     DEFAULT_CSS = """
     StatCard {
@@ -32,7 +33,7 @@ class StatCard(Widget):
     }
     StatCard > .card--text {
         width: 100%;
-        height: 3;
+        height: 1fr;
         content-align: center middle;
         text-style: bold;
         color: $text;
@@ -80,7 +81,8 @@ class StatCard(Widget):
         if not self.children:  # not composed yet
             return
         digits, text = self.query_one(Digits), self.query_one(".card--text", Static)
-        big = set(self.value) <= _DIGIT_CHARS and 3 * len(self.value) <= self.content_size.width
+        width, height = self.content_size.width, self.content_size.height
+        big = set(self.value) <= _DIGIT_CHARS and 3 * len(self.value) <= width and height >= 3
         digits.display, text.display = big, not big
         if big:
             digits.update(self.value)

@@ -8,6 +8,7 @@ series, and call it from a throttled timer rather than per engine step.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 
 from textual.color import Color
@@ -40,6 +41,20 @@ def sample_points(last: int, points: int, first: int = 1) -> list[int]:
     step = (last - first) / max(1, points - 1)
     values = sorted({first + round(i * step) for i in range(points)} | {last})
     return values
+
+
+def rolling_median(
+    values: Sequence[float], window: int = 9, at: Sequence[int] | None = None
+) -> list[float]:
+    """The median of the `window` values centred on each index (fewer at the ends): a step-time
+    series without its jitter, where a single slow step does not show as a spike. `at` picks the
+    indices to compute (all by default), so a long series costs only the points drawn."""
+    half = max(0, window // 2)
+    n = len(values)
+    return [
+        statistics.median(values[max(0, i - half) : min(n, i + half + 1)])
+        for i in (range(n) if at is None else at)
+    ]
 
 
 def step_line(xs: Sequence[int], ys: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -83,6 +98,12 @@ class Chart(PlotextPlot):
         return (mixed.r, mixed.g, mixed.b)
 
     @property
+    def rows(self) -> int:
+        """About how many rows the plot itself gets (the title, the frame and the x labels take
+        the rest): for spacing the y ticks."""
+        return max(1, self.size.height - 4)
+
+    @property
     def points(self) -> int:
         """How many points a series should have at most: about two per column."""
         return max(16, 2 * max(self.size.width - 12, 8))
@@ -115,6 +136,17 @@ def nice_ticks(top: float, count: int = 4, bottom: float = 0.0) -> list[float]:
         ticks.append(round(value, 10))
         value += step
     return ticks
+
+
+def fitting_ticks(top: float, count: int, rows: int, bottom: float = 0.0) -> list[float]:
+    """`nice_ticks`, but at most one tick per two rows of the plot: plotext keeps only one of
+    two labels that land on the same row, and which one is not stable from run to run."""
+    most = max(2, (rows - 1) // 2 + 1)
+    for wanted in range(max(1, count), 0, -1):
+        ticks = nice_ticks(top, wanted, bottom)
+        if len(ticks) <= most:
+            return ticks
+    return ticks[:: -(-len(ticks) // most)]
 
 
 def short_number(value: float) -> str:

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from rich.console import RenderableType
 from rich.text import Text
-from textual.widgets import Static
+from textual.widget import Widget
+
+MARKS = {"running": "▶ ", "paused": "⏸ ", "done": "✓ ", "failed": "✗ ", "stopped": "■ "}
 
 
-class RunHeader(Static):
-    """One line: device · engine and model · run state. Its state is a CSS class."""
+def short_device(device: str) -> str:
+    """The device without its detail: "CPU, no GPU: NVML library not found" -> "CPU, no GPU",
+    "NVIDIA H100 80GB HBM3 · 79.6 GiB" -> "NVIDIA H100 80GB HBM3"."""
+    for separator in (": ", " · "):
+        if separator in device:
+            return device.split(separator, 1)[0]
+    return device
+
+
+class RunHeader(Widget):
+    """One line: run state · engine and model · device. Its state is a CSS class.
+
+    The line is fitted to the width when it is drawn: first the separators tighten, then the
+    device loses its detail (the full reason stays in help, `?`), then the engine loses the
+    model's words; only then is the end cut off with an ellipsis.
+    """
 
     DEFAULT_CSS = """
     RunHeader {
@@ -19,16 +36,41 @@ class RunHeader(Static):
     }
     """
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._parts: tuple[str, str, str, str] = ("", "", "", "")
+
     def show(self, device: str, engine: str, model: str, state: str, status: str) -> None:
-        marks = {"running": "▶ ", "paused": "⏸ ", "done": "✓ ", "failed": "✗ ", "stopped": "■ "}
-        text = Text(no_wrap=True, overflow="ellipsis", end="")
-        text.append(marks.get(state, "… ") + status, style="bold")
-        text.append("  │  ", style="dim")
-        text.append(engine, style="bold")
-        if model and model != engine:
-            text.append(f" ({model})")
-        text.append("  │  ", style="dim")
-        text.append(device)
         for name in ("running", "paused", "done", "failed", "stopped", "starting"):
             self.set_class(name == state, f"-{name}")
-        self.update(text)
+        self._parts = (MARKS.get(state, "… ") + status, engine, model, device)
+        self.refresh()
+
+    def variants(self) -> list[Text]:
+        """The header's line, from the fullest wording to the shortest."""
+        status, engine, model, device = self._parts
+        short = short_device(device)
+        wordings = [(model, device), (model, short), ("", short)]
+        lines = []
+        for words, where in wordings:
+            for separator in ("  │  ", " │ "):
+                text = Text(no_wrap=True, overflow="ellipsis", end="")
+                text.append(status, style="bold")
+                text.append(separator, style="dim")
+                text.append(engine, style="bold")
+                if words and words != engine:
+                    text.append(f" ({words})")
+                text.append(separator, style="dim")
+                text.append(where)
+                lines.append(text)
+        return lines
+
+    def render(self) -> RenderableType:
+        if not any(self._parts):
+            return Text("")
+        width = self.content_size.width
+        variants = self.variants()
+        for text in variants:
+            if text.cell_len <= width:
+                return text
+        return variants[-1]

@@ -89,6 +89,8 @@ class VramBar(Widget):
             bar.append(label, style=self.get_component_rich_style(cls))
         legend = Text(no_wrap=True, overflow="ellipsis")
         for name, cls, size in zip(names, classes, sizes, strict=False):
+            if name == "free" and split.overflow_bytes:
+                continue  # nothing is free: the overflow note says by how much
             swatch = self.get_component_rich_style(cls)
             legend.append("■", style=Style(color=swatch.bgcolor))
             legend.append(f" {name} {format_bytes(size)}  ")

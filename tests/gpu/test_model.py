@@ -59,3 +59,16 @@ def test_head_dim_can_differ_from_dim_over_heads():
     model = Transformer(args)
     assert model.layers[0].attention.wqkv.out_features == 4 * 32 + 2 * 2 * 32
     assert model(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, 256)
+
+
+def test_moving_the_model_keeps_its_rotary_table(small_model):
+    """`Module.to(dtype)` casts buffers: the RoPE table must survive it (a complex buffer would
+    lose its sines and silently break positions)."""
+    import copy
+
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(1))
+    moved = copy.deepcopy(small_model).to(device="cpu", dtype=torch.float32)
+    with torch.inference_mode():
+        torch.testing.assert_close(moved(ids), small_model(ids))
+        as_bf16 = copy.deepcopy(small_model).to(torch.bfloat16)(ids).float()
+    torch.testing.assert_close(as_bf16, small_model(ids), atol=0.1, rtol=0.1)

@@ -31,6 +31,15 @@ def build(screen: int = 1, length: int = 24, **engine_options) -> KVApp:
     )
 
 
+def screen_text(app: KVApp) -> str:
+    """What the terminal shows right now, as plain text: one line per row.
+
+    Read from the screen's compositor (the same strips a terminal receives), so a line that is
+    clipped by its container or pushed off the screen is missing here too."""
+    strips = app.screen._compositor.render_strips()
+    return "\n".join(strip.text for strip in strips)
+
+
 @pytest.fixture(autouse=True)
 def _forget_engines():
     FakeEngine.instances.clear()

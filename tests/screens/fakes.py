@@ -70,7 +70,12 @@ def sim_events(
                 if cached
                 else uncached_step_flops(spec, position + 1)
             )
-            seconds = 0.004 + 0.00001 * position if cached else 0.004 + 0.0009 * position
+            # a cached step reads at 80% of the card's peak; an uncached one grows with position
+            seconds = (
+                bytes_read / (0.8 * card.bandwidth_bytes_per_s) + 0.00001 * position
+                if cached
+                else 0.004 + 0.0009 * position
+            )
             events.append(
                 StepSample(
                     loop=loop,
@@ -82,7 +87,7 @@ def sim_events(
                     flops=flops,
                     bytes_read=bytes_read,
                     step_seconds=seconds,
-                    kv_bytes=per_token * (position + 1) if cached else 0,
+                    kv_bytes=per_token * position if cached else 0,  # positions 0..position-1
                 )
             )
     events += [RunFinished(loop, "done", settings.tokens) for loop in settings.loops]

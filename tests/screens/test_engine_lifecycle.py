@@ -73,3 +73,74 @@ async def test_a_dying_engine_says_so_and_offers_restart():
         header = str(app.screen.query_one("RunHeader").render())
         assert "killed by signal 9" in header and "r restarts" in header
         assert any("signal 9" in n.message for n in app._notifications)
+
+
+async def test_restart_with_a_longer_length_asks_the_engine_for_more_tokens():
+    app = build(1, 24, hold_at=10)  # the run generates 32 tokens
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        await pilot.press(*["right"] * 16)  # 24 -> 40
+        note = app.screen.query_one("#run-note")
+        assert "live run: 32 of 40 steps; r restarts with the new length" in str(note.render())
+        assert note.has_class("-beyond")
+        await pilot.press("r")
+        await pilot.pause()
+        assert FakeEngine.instances[-1].settings.tokens == 40
+        assert app.live.settings.tokens == 40
+        assert not note.has_class("-beyond")
+        await pilot.press(*["left"] * 10, "r")  # shorter than the run: it keeps its 40
+        await pilot.pause()
+        assert FakeEngine.instances[-1].settings.tokens == 40
+
+
+async def test_restart_is_capped_at_the_longest_length():
+    app = build(2, 24, hold_at=10)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press(*["shift+right"] * 10, "r")  # the length doubles up to 4,096
+        await pilot.pause()
+        assert app.screen.length == 4096
+        assert FakeEngine.instances[-1].settings.tokens == 4096
+
+
+async def test_an_engine_that_refuses_the_length_says_why():
+    from conftest import SETTINGS
+    from fakes import sim_events
+
+    from kvtui.sim.steps import RunFinished
+
+    why = "4,140 positions is past the model's 4,096"
+    started = sim_events(SETTINGS)[0]
+    events = [
+        started,
+        RunFinished("uncached", "error", 0, why),
+        RunFinished("cached", "error", 0, why),
+    ]
+    app = build(1, events=events)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert app.live.state == "failed"
+        app.screen.mark_dirty()
+        app.screen._tick()
+        header = str(app.screen.query_one("RunHeader").render())
+        assert why in header and "r restarts" in header
+        told = [n.message for n in app._notifications if why in n.message]
+        assert len(told) == 1 and "Shorten the length" in told[0]
+
+
+async def test_restart_stays_within_the_models_positions():
+    from dataclasses import replace
+
+    from conftest import SETTINGS
+    from fakes import sim_events
+
+    events = sim_events(SETTINGS)
+    limit = events[0].prompt_tokens + 50  # a model that holds 50 answer tokens after the prompt
+    events = [replace(events[0], max_positions=limit), *events[1:]]
+    app = build(1, 24, events=events)
+    async with app.run_test(size=SIZE) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.press(*["right"] * 60, "r")
+        await pilot.pause()
+        assert app.screen.length > 50
+        assert FakeEngine.instances[-1].settings.tokens == 50

@@ -41,3 +41,13 @@ def test_screen3_overflow_80x24(snap_compare):
         await _settled(app)(pilot)
 
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_screen1_80x24(snap_compare):
+    app = build(1, 24)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=_settled(app))
+
+
+def test_screen2_80x24(snap_compare):
+    app = build(2, 32)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=_settled(app))

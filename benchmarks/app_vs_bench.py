@@ -1,0 +1,411 @@
+"""The app's figures to report (issue 5): first frame, decode speed beside the UI, idle CPU.
+
+Three measurements, each in a real terminal (a detached tmux session), none of them a test:
+
+(a) first frame: wall seconds from the start of `python -m kvtui --engine sim:llama-3.1-8b@h100`
+    to the first frame, seen by polling `tmux capture-pane` every few milliseconds for the lesson
+    title (the pane's shell writes the start time, then execs python).
+(b) decode tokens/s with the app open against headless `kvtui bench`, same engine and settings
+    (`tiny`, cpu, 1 torch thread, 256 tokens, seed 0), cached loop. Headless: `python -m kvtui bench
+    --json`, cached `tokens_per_s` (steps / the sum of their step_seconds). App: this script runs
+    the app itself in the tmux pane (`_app-child`: `make_app`, the real driver, screen 1 with its
+    live chart) until the run is done, then writes the cached loop's steps and the sum of their
+    step_seconds as the app received them; tokens/s = steps / that sum, the same definition. The
+    app runs both loops in lockstep (as shipped); a cached-only app run separates the UI's cost
+    from the lockstep's. Runs are interleaved headless / app / app cached-only, `--repeats` times,
+    and each figure is the median; the goal is app >= 85% of headless.
+(c) idle CPU: the app with the tiny engine mid-run, paused with space; utime + stime of the UI
+    process (and of the engine's process) from /proc/PID/stat over `--idle-seconds`, as cores.
+    The same over the same time while running, for contrast.
+
+The machine is shared (a model may be training at high priority): quote the ratios, measured in
+one run with the paths interleaved, rather than absolute figures.
+
+    python benchmarks/app_vs_bench.py                # all three, about two minutes
+    python benchmarks/app_vs_bench.py --json > out.json
+    python benchmarks/app_vs_bench.py --only first-frame --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # kvtui from this checkout
+
+GOAL = 0.85
+"""Issue 5: decode tokens/s with the app open at least 85% of headless `kvtui bench`."""
+
+FIRST_FRAME_MARK = "1 · Without a cache"
+"""Text of the first frame: the lesson title of screen 1."""
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+TMUX = ["tmux", "-L", f"kvtui-bench-{os.getpid()}"]
+"""tmux on a server of our own, so that the panes never meet anyone else's sessions."""
+
+
+# --- tmux ----------------------------------------------------------------------------------------
+
+
+class Pane:
+    """A detached tmux session of one pane, running one command; closed on exit."""
+
+    def __init__(self, command: str, size: tuple[int, int]) -> None:
+        self.name = f"pane-{time.monotonic_ns()}"
+        width, height = size
+        for attempt in range(5):  # the server may be exiting as its last session closed
+            started = subprocess.run(
+                TMUX
+                + ["new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height)]
+                + ["-c", str(REPO), command],
+                capture_output=True,
+                text=True,
+            )
+            if started.returncode == 0:
+                return
+            time.sleep(0.2 * (attempt + 1))
+        raise RuntimeError(f"tmux new-session failed: {started.stderr.strip()}")
+
+    def text(self) -> str:
+        done = subprocess.run(
+            TMUX + ["capture-pane", "-p", "-t", self.name], capture_output=True, text=True
+        )
+        return done.stdout
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run(TMUX + ["send-keys", "-t", self.name, *keys], check=False)
+
+    def pid(self) -> int:
+        done = subprocess.run(
+            TMUX + ["display-message", "-p", "-t", self.name, "#{pane_pid}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(done.stdout.strip())
+
+    def wait_for(self, words: str, timeout: float, poll: float = 0.005) -> float | None:
+        """time.time() when `words` first showed in the pane, or None after `timeout` seconds."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if words in self.text():
+                return time.time()
+            time.sleep(poll)
+        return None
+
+    def close(self) -> None:
+        subprocess.run(TMUX + ["kill-session", "-t", self.name], capture_output=True, check=False)
+
+    def __enter__(self) -> Pane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _quote(*words: str) -> str:
+    return " ".join("'" + w.replace("'", "'\\''") + "'" for w in words)
+
+
+def _python_env() -> str:
+    """Environment for commands in a pane: this checkout first on the path."""
+    path = os.environ.get("PYTHONPATH", "")
+    return f"PYTHONPATH={_quote(str(REPO) + (':' + path if path else ''))}"
+
+
+# --- (a) first frame -----------------------------------------------------------------------------
+
+
+def first_frame(size: tuple[int, int], timeout: float = 30.0) -> float | None:
+    """Seconds from the process's start to the first frame of `python -m kvtui` (sim engine)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start_file = Path(tmp) / "start"
+        command = f"date +%s.%N > {_quote(str(start_file))}; {_python_env()} exec " + _quote(
+            sys.executable, "-m", "kvtui", "--engine", "sim:llama-3.1-8b@h100"
+        )
+        with Pane(command, size) as pane:
+            seen = pane.wait_for(FIRST_FRAME_MARK, timeout)
+            pane.keys("q")
+            time.sleep(0.3)
+        if seen is None or not start_file.exists():
+            return None
+        return seen - float(start_file.read_text().strip())
+
+
+# --- (b) decode tokens/s -------------------------------------------------------------------------
+
+
+def headless_bench(tokens: int) -> dict:
+    """`kvtui bench` on the tiny engine: the cached loop's tokens/s and step times."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtui", "bench", "--engine", "tiny", "--device", "cpu"]
+        + ["--threads", "1", "--tokens", str(tokens), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=900,
+        check=True,
+    )
+    result = json.loads(done.stdout)
+    cached = result["cached"]
+    return {
+        "tokens_per_s": cached["tokens_per_s"],
+        "steps": cached["tokens"],
+        "step_ms_p50": cached["step_ms_p50"],
+        "step_ms_p99": cached["step_ms_p99"],
+    }
+
+
+def app_run(tokens: int, size: tuple[int, int], cached_only: bool, timeout: float) -> dict:
+    """The app in a pane, its engine decoding `tokens`; what the app measured of the cached loop."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "app.json"
+        child = [sys.executable, str(Path(__file__).resolve()), "_app-child", "--out", str(out)]
+        child += ["--tokens", str(tokens)] + (["--cached-only"] if cached_only else [])
+        with Pane(f"{_python_env()} exec {_quote(*child)}", size):
+            end = time.monotonic() + timeout
+            while not out.exists() and time.monotonic() < end:
+                time.sleep(0.2)
+            time.sleep(0.2)  # let the child finish writing
+        if not out.exists():
+            raise RuntimeError(f"the app did not finish {tokens} tokens in {timeout:.0f} s")
+        return json.loads(out.read_text())
+
+
+def _app_child(args: argparse.Namespace) -> int:
+    """Inside the pane: run the app for real until the run is done, then write its figures."""
+    from kvtui.app import make_app
+    from kvtui.sim.steps import RunSettings
+
+    loops = ("cached",) if args.cached_only else ("uncached", "cached")
+    settings = RunSettings(engine="tiny", device="cpu", threads=1, tokens=args.tokens, loops=loops)
+    app = make_app(settings, screen=1, length=args.tokens)
+
+    async def main() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        started = time.monotonic()
+        running = asyncio.create_task(app.run_async())
+        while not running.done():
+            await asyncio.sleep(0.1)
+            if app.is_running and app.live.state in ("done", "failed", "stopped"):
+                app.exit()
+        await running
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        wall = time.monotonic() - started
+        trace = app.live.loop("cached")
+        ms = sorted(v * 1e3 for v in trace.step_seconds.values)
+        figures = {
+            "state": app.live.state,
+            "failure": app.live.failure,
+            "steps": trace.steps,
+            "seconds": trace.seconds_total,
+            "tokens_per_s": trace.steps / trace.seconds_total if trace.seconds_total else None,
+            "step_ms_p50": statistics.median(ms) if ms else None,
+            "step_ms_p99": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
+            "ui_cores": (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+            / wall,
+        }
+        Path(args.out).write_text(json.dumps(figures))
+
+    asyncio.run(main())
+    return 0
+
+
+# --- (c) idle CPU --------------------------------------------------------------------------------
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "children") as f:
+            kids += [int(k) for k in f.read().split()]
+    return kids
+
+
+def _cores(pids: list[int], seconds: float) -> list[float]:
+    before = [_cpu_ticks(p) for p in pids]
+    time.sleep(seconds)
+    after = [_cpu_ticks(p) for p in pids]
+    return [(b - a) / CLK_TCK / seconds for a, b in zip(before, after, strict=True)]
+
+
+def idle_cpu(size: tuple[int, int], seconds: float) -> dict:
+    """Cores used by the UI process and the engine's process, running, then paused."""
+    command = f"{_python_env()} exec " + _quote(
+        sys.executable, "-m", "kvtui", "--engine", "tiny", "--device", "cpu", "--tokens", "2048"
+    )
+    with Pane(command, size) as pane:
+        if pane.wait_for("▶ running · step", 60.0) is None:
+            raise RuntimeError("the app never reported a running step:\n" + pane.text())
+        time.sleep(1.0)
+        ui = pane.pid()
+        engine = next(iter(_children(ui)), None)
+        pids = [ui] + ([engine] if engine else [])
+        running = _cores(pids, seconds)
+        pane.keys("space")
+        if pane.wait_for("⏸ paused", 5.0) is None:
+            raise RuntimeError("space did not pause the app:\n" + pane.text())
+        time.sleep(1.0)
+        paused = _cores(pids, seconds)
+        pane.keys("q")
+        time.sleep(0.5)
+    return {
+        "ui_cores_running": running[0],
+        "ui_cores_paused": paused[0],
+        "engine_cores_running": running[1] if engine else None,
+        "engine_cores_paused": paused[1] if engine else None,
+        "seconds": seconds,
+    }
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def _size(text: str) -> tuple[int, int]:
+    width, _, height = text.partition("x")
+    return int(width), int(height)
+
+
+def _median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+def measure(args: argparse.Namespace) -> dict:
+    only = set(args.only or ["first-frame", "decode", "idle"])
+    report: dict = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "load_average": os.getloadavg(),
+    }
+    if "first-frame" in only:
+        frames = {}
+        for size in args.sizes:
+            seconds = [first_frame(_size(size)) for _ in range(args.repeats)]
+            frames[size] = {"seconds": seconds, "median": _median(seconds)}
+        report["first_frame"] = frames
+    if "decode" in only:
+        runs: dict[str, list[dict]] = {"headless": []}
+        for size in args.sizes:
+            runs[f"app {size}"] = []
+            runs[f"app {size} cached only"] = []
+        for _ in range(args.repeats):  # interleaved, so that a drift in load hits all alike
+            runs["headless"].append(headless_bench(args.tokens))
+            for size in args.sizes:
+                for cached_only in (False, True):
+                    key = f"app {size}" + (" cached only" if cached_only else "")
+                    runs[key].append(app_run(args.tokens, _size(size), cached_only, 600.0))
+        headless = _median([r["tokens_per_s"] for r in runs["headless"]])
+        decode = {}
+        for key, results in runs.items():
+            tps = _median([r["tokens_per_s"] for r in results])
+            decode[key] = {
+                "tokens_per_s": tps,
+                "of_headless": tps / headless if tps and headless else None,
+                "step_ms_p50": _median([r["step_ms_p50"] for r in results]),
+                "step_ms_p99": _median([r["step_ms_p99"] for r in results]),
+                "ui_cores": _median([r.get("ui_cores") for r in results]),
+                "runs": results,
+            }
+        report["decode"] = {"tokens": args.tokens, "goal": GOAL, "paths": decode}
+    if "idle" in only:
+        report["idle"] = idle_cpu(_size(args.sizes[0]), args.idle_seconds)
+    report["load_average_after"] = os.getloadavg()
+    return report
+
+
+def format_report(r: dict) -> str:
+    def num(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    lines = [
+        f"{r['machine']['platform']}, {r['machine']['cpus']} CPUs, load average "
+        f"{r['load_average'][0]:.2f} before, {r['load_average_after'][0]:.2f} after"
+    ]
+    if "first_frame" in r:
+        lines.append("\n(a) first frame of `python -m kvtui --engine sim:llama-3.1-8b@h100`")
+        for size, f in r["first_frame"].items():
+            each = ", ".join(num(s, ".2f") for s in f["seconds"])
+            lines.append(f"  {size:>8}  median {num(f['median'], '.2f')} s   ({each})")
+    if "decode" in r:
+        d = r["decode"]
+        lines.append(
+            f"\n(b) cached decode, tiny engine, cpu, 1 thread, {d['tokens']} tokens "
+            f"(goal: app >= {d['goal']:.0%} of headless)"
+        )
+        lines.append(
+            f"  {'path':<28} {'tok/s':>8} {'of headless':>12} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'UI cores':>9}"
+        )
+        for key, p in d["paths"].items():
+            lines.append(
+                f"  {key:<28} {num(p['tokens_per_s'], '.1f'):>8} "
+                f"{num(p['of_headless'], '.0%'):>12} {num(p['step_ms_p50'], '.2f'):>8} "
+                f"{num(p['step_ms_p99'], '.2f'):>8} {num(p['ui_cores'], '.2f'):>9}"
+            )
+    if "idle" in r:
+        i = r["idle"]
+        lines.append(f"\n(c) cores used by the app (tiny engine) over {i['seconds']:.0f} s")
+        lines.append(f"  {'':<8} {'UI process':>11} {'engine':>8}")
+        lines.append(
+            f"  {'running':<8} {num(i['ui_cores_running'], '.3f'):>11} "
+            f"{num(i['engine_cores_running'], '.3f'):>8}"
+        )
+        lines.append(
+            f"  {'paused':<8} {num(i['ui_cores_paused'], '.3f'):>11} "
+            f"{num(i['engine_cores_paused'], '.3f'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command")
+    child = sub.add_parser("_app-child", help=argparse.SUPPRESS)
+    child.add_argument("--out", required=True)
+    child.add_argument("--tokens", type=int, default=256)
+    child.add_argument("--cached-only", action="store_true")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per decode run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each path (median)")
+    parser.add_argument(
+        "--sizes", nargs="+", default=["80x24", "160x48"], help="terminal sizes (WxH)"
+    )
+    parser.add_argument("--idle-seconds", type=float, default=5.0, help="CPU sampling window")
+    parser.add_argument(
+        "--only", nargs="+", choices=["first-frame", "decode", "idle"], help="some measurements"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.command == "_app-child":
+        return _app_child(args)
+    if shutil.which("tmux") is None:
+        print("app_vs_bench.py needs tmux (a real terminal for the app)", file=sys.stderr)
+        return 2
+    try:
+        report = measure(args)
+    finally:
+        subprocess.run(TMUX + ["kill-server"], capture_output=True, check=False)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The layout holds from 80x24 up: every line whole, the live lines on screen 3 in view."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PROBE, build, screen_text
+from test_screens import settle
+
+from kvtui.widgets.chart import rolling_median
+from kvtui.widgets.header import short_device
+
+SMALL, MEDIUM, LARGE = (80, 24), (100, 30), (160, 48)
+
+
+@pytest.mark.parametrize("size", [SMALL, MEDIUM, LARGE])
+async def test_screen3_shows_the_live_lines(size):
+    app = build(3)
+    async with app.run_test(size=size) as pilot:
+        await settle(app, pilot)
+        text = screen_text(app)
+        for words in (
+            "Live: llama-3.1-8b on sim: h100",
+            "KV held",
+            "formula",
+            "reads ",
+            "peak 3.35 TB/s",
+            "FLOPs/byte: decode is memory-bound",
+        ):
+            assert words in text, f"{words!r} not on screen at {size}"
+
+
+async def test_80x24_screen1_keeps_its_narrative_and_legend():
+    app = build(1, 24)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(app, pilot)
+        assert app.screen.has_class("-narrow") and app.screen.has_class("-short")
+        text = screen_text(app)
+        assert "growing with the square of the length." in text
+        assert "measured time per step, smoothed" in text
+        assert "steps 1-24 of the live run's 32" in text
+
+
+async def test_80x24_screen2_keeps_its_explanation_and_legend():
+    app = build(2, 24)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(app, pilot)
+        text = " ".join(screen_text(app).split())  # lines re-joined: the wrap does not matter
+        assert "it still reads every cached key and value (screen 3)." in text
+        assert "with a cache x: tokens" in text
+        assert "identical: all 32 tokens" in text
+
+
+async def test_header_shortens_the_device_and_help_gives_it_in_full():
+    app = build(1)
+    async with app.run_test(size=SMALL) as pilot:
+        await pilot.pause()
+        header = screen_text(app).splitlines()[0]
+        assert header.rstrip().endswith("CPU, no GPU")
+        await pilot.press("question_mark")
+        await pilot.pause()
+        assert PROBE["description"] in screen_text(app)
+    app = build(1)
+    async with app.run_test(size=LARGE) as pilot:
+        await pilot.pause()
+        assert PROBE["description"] in screen_text(app).splitlines()[0]
+
+
+async def test_80x24_help_fits_without_scrolling():
+    app = build(1)
+    async with app.run_test(size=SMALL) as pilot:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "kvtui: why LLM decoding" in text and "q            quit" in text
+
+
+async def test_80x24_quiz_shows_the_feedback_whole():
+    app = build(3)
+    async with app.run_test(size=SMALL) as pilot:
+        await pilot.press("t", "down", "enter")
+        await pilot.pause()
+        text = " ".join(screen_text(app).replace("│", " ").split())
+        assert "bigger GPU are the ways out." in text
+
+
+def test_short_device():
+    assert short_device(PROBE["description"]) == "CPU, no GPU"
+    assert short_device("NVIDIA H100 80GB HBM3 · 79.6 GiB") == "NVIDIA H100 80GB HBM3"
+    assert short_device("Apple M2") == "Apple M2"
+
+
+def test_rolling_median_drops_a_spike_and_keeps_a_ramp():
+    jittery = [1.0, 1.1, 0.9, 1.0, 9.0, 1.0, 1.1, 0.9, 1.0]
+    assert max(rolling_median(jittery, 5)) < 1.2
+    ramp = [float(i) for i in range(20)]
+    assert rolling_median(ramp, 9)[4:16] == ramp[4:16]
+    assert rolling_median(ramp, 9, at=[0, 10, 19]) == [2.0, 10.0, 17.0]
