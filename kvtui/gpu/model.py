@@ -138,9 +138,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split((self.q_dim, self.kv_dim, self.kv_dim), dim=-1)
-        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), freqs)
-        k = apply_rope(k.view(B, T, self.n_kv_head, self.head_dim), freqs)
+        qk, v = self.wqkv(x).split((self.q_dim + self.kv_dim, self.kv_dim), dim=-1)
+        # Queries and keys are rotated together: one RoPE over n_head + n_kv_head heads.
+        qk = apply_rope(qk.view(B, T, self.n_head + self.n_kv_head, self.head_dim), freqs)
+        q, k = qk.split((self.n_head, self.n_kv_head), dim=2)
         q = q.transpose(1, 2)  # (B, n_head, T, head_dim)
         k = k.transpose(1, 2)  # (B, n_kv_head, T, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
