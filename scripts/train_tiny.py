@@ -34,6 +34,7 @@ def main() -> int:
     parser.add_argument("--run-dir", type=Path, default=Path("runs/tiny"))
     parser.add_argument("--max-steps", type=int, default=TrainConfig.max_steps)
     parser.add_argument("--threads", type=int, default=TrainConfig.threads)
+    parser.add_argument("--note", default="", help="a line of provenance for the exported file")
     parser.add_argument("--export", action="store_true", help="export the checkpoint to assets/")
     args = parser.parse_args()
 
@@ -93,6 +94,7 @@ def main() -> int:
                 "corpus": "Jane Austen's six novels, from Debian's r-cran-janeaustenr 1.0.0",
                 "licence": "novels: public domain (Project Gutenberg); janeaustenr package: MIT",
                 "trained_with": "scripts/train_tiny.py",
+                "note": args.note,
             },
         )
     return 0
