@@ -274,9 +274,15 @@ def cmd_gpus(args: argparse.Namespace) -> int:
 
 def run_app(args: argparse.Namespace) -> int:
     """`kvtui` with no subcommand: open the Textual app (imported only now)."""
-    from kvtui.app import run_app as open_app
+    from kvtui.engines import check_engine
 
     settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
+    try:
+        check_engine(settings)
+    except EngineError as exc:
+        raise UsageError(f"kvtui: {exc}") from None
+    from kvtui.app import run_app as open_app
+
     return int(open_app(settings, screen=args.screen, length=args.length) or 0)
 
 

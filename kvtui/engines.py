@@ -102,6 +102,37 @@ def open_engine(settings: RunSettings) -> Engine:
     raise EngineError(f"unknown engine {name!r}: use one of {ENGINE_FORMS}")
 
 
+def check_engine(settings: RunSettings) -> None:
+    """Refuse a run that cannot start, before a UI opens: `EngineError` with one clear line.
+
+    Cheap and torch-free: names are looked up in the catalogs, a replay file is read, a model
+    directory is looked at; whether a torch model fits in memory is still the engine's to say.
+    """
+    name = settings.engine.strip()
+    kind, _, arg = name.partition(":")
+    if name == "tiny":
+        return
+    if kind in ("sim", "replay"):
+        open_engine(settings).close()
+    elif kind == "shape":
+        from kvtui.sim.catalog import UnknownNameError, get_model
+
+        if not arg:
+            raise EngineError("shape: needs a model name, e.g. shape:llama-3.2-1b")
+        try:
+            get_model(arg)
+        except UnknownNameError as exc:
+            raise EngineError(str(exc)) from None
+    elif kind == "hf":
+        from pathlib import Path
+
+        directory = Path(arg).expanduser()
+        if not (directory / "config.json").is_file():
+            raise EngineError(f"{directory} is not a Hugging Face model directory (no config.json)")
+    else:
+        raise EngineError(f"unknown engine {name!r}: use one of {ENGINE_FORMS}")
+
+
 def run_events(
     engine: Engine,
     settings: RunSettings,

@@ -104,3 +104,36 @@ def test_bench_corrupt_replay_file_in_a_subprocess(tmp_path):
     assert (
         out.returncode == 2 and "not a kvtui record" in out.stderr and "Traceback" not in out.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("engine", "message"),
+    [
+        ("nope", "unknown engine 'nope'"),
+        ("sim:llama-3.1-8b@h10", "did you mean h100"),
+        ("shape:llama9", "unknown model 'llama9'"),
+        ("replay:/no/such/run.jsonl", "no recorded run"),
+        ("hf:/", "no config.json"),
+    ],
+)
+def test_the_app_refuses_a_bad_engine_before_it_opens(capsys, monkeypatch, engine, message):
+    import kvtui.app
+
+    opened = []
+    monkeypatch.setattr(kvtui.app, "run_app", lambda *a, **k: opened.append(a) or 0)
+    assert main(["--engine", engine]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not opened
+
+
+def test_the_app_opens_on_a_good_engine(monkeypatch):
+    import kvtui.app
+
+    opened = []
+    monkeypatch.setattr(
+        kvtui.app, "run_app", lambda settings, **k: opened.append((settings, k)) or 0
+    )
+    assert main(["--engine", "sim:llama-3.1-8b@h100", "--screen", "3", "--length", "32"]) == 0
+    settings, options = opened[0]
+    assert settings.engine == "sim:llama-3.1-8b@h100" and options == {"screen": 3, "length": 32}
