@@ -16,7 +16,7 @@ the device.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +125,14 @@ def uncached_loop(
     model: Transformer, prompt: Tensor, n_tokens: int, sampling: Sampling
 ) -> Iterator[Step]:
     """Every step runs the whole sequence so far: keys and values for every position, again."""
+    return recompute_loop(lambda ids: recompute_all(model, ids), prompt, n_tokens, sampling)
+
+
+def recompute_loop(
+    recompute: Callable[[Tensor], Tensor], prompt: Tensor, n_tokens: int, sampling: Sampling
+) -> Iterator[Step]:
+    """The uncached loop around any model: `recompute(ids)` gives the last position's logits
+    `(1, vocab)` of the whole sequence `ids` `(1, T)`, computed from scratch."""
     device = prompt.device
     P = prompt.shape[1]
     ids = torch.empty((1, P + n_tokens), dtype=torch.long, device=device)
@@ -133,7 +141,7 @@ def uncached_loop(
     for i in range(n_tokens):
         synchronize(device)
         t0 = time.perf_counter()
-        logits = recompute_all(model, ids[:, : P + i])
+        logits = recompute(ids[:, : P + i])
         token = sample(logits)
         ids[:, P + i] = token[0, 0]
         token_id = int(token.item())

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from kvtui.format import format_bytes
-from kvtui.gpu.decode import Sampler, Sampling, Step, synchronize
+from kvtui.gpu.decode import Sampler, Sampling, Step, recompute_loop, synchronize
 from kvtui.gpu.engine import (
     available_bytes,
     default_dtype,
@@ -329,24 +329,10 @@ def cached_loop(
 
 def uncached_loop(
     model: torch.nn.Module, prompt: Tensor, n_tokens: int, sampling: Sampling
-) -> Generator[Step, None, None]:
+) -> Iterator[Step]:
     """Every step runs the whole sequence so far: keys and values for every position, again."""
-    device = prompt.device
-    P = prompt.shape[1]
-    ids = torch.empty((1, P + n_tokens), dtype=torch.long, device=device)
-    ids[:, :P] = prompt
-    sample = Sampler(sampling, device)
     fwd = ForwardArgs.of(model)
-    for i in range(n_tokens):
-        synchronize(device)
-        t0 = time.perf_counter()
-        logits = recompute_all(model, ids[:, : P + i], fwd)
-        token = sample(logits)
-        ids[:, P + i] = token[0, 0]
-        token_id = int(token.item())
-        synchronize(device)
-        seconds = time.perf_counter() - t0
-        yield Step(i, P + i, token_id, P + i, seconds, 0)
+    return recompute_loop(lambda ids: recompute_all(model, ids, fwd), prompt, n_tokens, sampling)
 
 
 class TextStream:
