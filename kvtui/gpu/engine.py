@@ -177,6 +177,38 @@ def build_shape(
     return model.eval()
 
 
+def torch_run_started(
+    settings: RunSettings,
+    label: str,
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: str,
+    *,
+    weights_bytes: int,
+    prompt_tokens: int,
+    max_positions: int,
+) -> RunStarted:
+    """What a torch engine runs, and where: the model's shape, its measured weights, the device."""
+    where, total, peak = describe_device(device)
+    return RunStarted(
+        engine=settings.engine,
+        model=label,
+        device=where,
+        dtype=dtype,
+        layers=spec.layers,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        kv_bytes_per_token=kv_bytes_per_token(spec, dtype),
+        weights_bytes=weights_bytes,
+        prompt_tokens=prompt_tokens,
+        tokens=settings.tokens,
+        threads=torch.get_num_threads(),
+        peak_bandwidth_bytes_per_s=peak,
+        device_memory_total_bytes=total,
+        max_positions=max_positions,
+    )
+
+
 def step_sample(
     spec: ModelSpec, loop: Loop, step: Step, dtype: str, text: str, device: torch.device
 ) -> StepSample:
@@ -226,22 +258,14 @@ class TorchEngine:
         return torch.randint(0, self.spec.vocab_size, (1, n), generator=gen).to(self.device)
 
     def started(self) -> RunStarted:
-        where, total, peak = describe_device(self.device)
-        return RunStarted(
-            engine=self.settings.engine,
-            model=self.label,
-            device=where,
-            dtype=self.dtype_name,
-            layers=self.spec.layers,
-            kv_heads=self.spec.kv_heads,
-            head_dim=self.spec.head_dim,
-            kv_bytes_per_token=kv_bytes_per_token(self.spec, self.dtype_name),
+        return torch_run_started(
+            self.settings,
+            self.label,
+            self.spec,
+            self.device,
+            self.dtype_name,
             weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
             prompt_tokens=self._prompt().shape[1],
-            tokens=self.settings.tokens,
-            threads=torch.get_num_threads(),
-            peak_bandwidth_bytes_per_s=peak,
-            device_memory_total_bytes=total,
             max_positions=self.model.args.max_positions,
         )
 

@@ -35,12 +35,12 @@ from kvtui.gpu.decode import Sampler, Sampling, Step, recompute_loop, synchroniz
 from kvtui.gpu.engine import (
     available_bytes,
     default_dtype,
-    describe_device,
     pick_device,
     step_sample,
+    torch_run_started,
 )
 from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config, normalize_dtype
-from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
+from kvtui.sim.memory import kv_bytes
 from kvtui.sim.steps import EngineError, Loop, RunFinished, RunSettings, RunStarted, StepSample
 
 NO_EXTRA = "--model needs the hf extra: pip install 'kvtui[hf]'"
@@ -380,22 +380,14 @@ class HFEngine:
         return normalize_dtype(str(next(self.model.parameters()).dtype))
 
     def started(self) -> RunStarted:
-        where, total, peak = describe_device(self.device)
-        return RunStarted(
-            engine=self.settings.engine,
-            model=self.label,
-            device=where,
-            dtype=self.dtype_name,
-            layers=self.spec.layers,
-            kv_heads=self.spec.kv_heads,
-            head_dim=self.spec.head_dim,
-            kv_bytes_per_token=kv_bytes_per_token(self.spec, self.dtype_name),
+        return torch_run_started(
+            self.settings,
+            self.label,
+            self.spec,
+            self.device,
+            self.dtype_name,
             weights_bytes=weights_bytes(self.model),
             prompt_tokens=len(self.prompt),
-            tokens=self.settings.tokens,
-            threads=torch.get_num_threads(),
-            peak_bandwidth_bytes_per_s=peak,
-            device_memory_total_bytes=total,
             max_positions=self.spec.max_context,
         )
 
