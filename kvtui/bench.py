@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtui.engines import open_engine, run_events
@@ -162,8 +162,6 @@ def run_bench(
 
 
 def _cached_first(settings: RunSettings) -> RunSettings:
-    from dataclasses import replace
-
     loops = tuple(loop for loop in ("cached", "uncached") if loop in settings.loops)
     return replace(settings, loops=loops)
 

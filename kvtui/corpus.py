@@ -88,9 +88,14 @@ def _item(r: _Reader, refs: list[object]) -> object:
     flags = r.int()
     kind = flags & 0xFF
     has_attr, has_tag = bool(flags & (1 << 9)), bool(flags & (1 << 10))
-    if kind in (_NILVALUE_SXP, _GLOBALENV_SXP, _EMPTYENV_SXP, _BASEENV_SXP, _MISSINGARG_SXP):
-        return None
-    if kind == _BASENAMESPACE_SXP:
+    if kind in (
+        _NILVALUE_SXP,
+        _GLOBALENV_SXP,
+        _EMPTYENV_SXP,
+        _BASEENV_SXP,
+        _MISSINGARG_SXP,
+        _BASENAMESPACE_SXP,
+    ):
         return None
     if kind == _REFSXP:
         index = flags >> 8 or r.int()
@@ -103,14 +108,14 @@ def _item(r: _Reader, refs: list[object]) -> object:
         n = r.int()
         return None if n == -1 else r.bytes(n).decode("utf-8", errors="replace")
     if kind == _LISTSXP:
-        attrs = _item(r, refs) if has_attr else None
+        if has_attr:
+            _item(r, refs)  # a pairlist's own attributes: not needed here
         tag = _item(r, refs) if has_tag else None
         car = _item(r, refs)
         cdr = _item(r, refs)
         pairs = [(tag, car)]
         if isinstance(cdr, _Pairlist):
             pairs.extend(cdr.pairs)
-        del attrs
         return _Pairlist(pairs)
     if kind in (_STRSXP, _VECSXP):
         values = [_item(r, refs) for _ in range(r.int())]

@@ -73,7 +73,6 @@ def main() -> int:
             val_data,
             checkpoint=checkpoint,
             log=log,
-            stop_after_steps=None if args.export else None,
         )
         if not args.export:
             return 0

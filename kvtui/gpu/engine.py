@@ -177,6 +177,11 @@ def build_shape(
     return model.eval()
 
 
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a loaded model's parameters, as they sit in memory (a tied embedding once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def torch_run_started(
     settings: RunSettings,
     label: str,
@@ -264,7 +269,7 @@ class TorchEngine:
             self.spec,
             self.device,
             self.dtype_name,
-            weights_bytes=sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            weights_bytes=parameter_bytes(self.model),
             prompt_tokens=self._prompt().shape[1],
             max_positions=self.model.args.max_positions,
         )

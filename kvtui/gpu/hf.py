@@ -35,6 +35,7 @@ from kvtui.gpu.decode import Sampler, Sampling, Step, recompute_loop, synchroniz
 from kvtui.gpu.engine import (
     available_bytes,
     default_dtype,
+    parameter_bytes,
     pick_device,
     step_sample,
     torch_run_started,
@@ -386,7 +387,7 @@ class HFEngine:
             self.spec,
             self.device,
             self.dtype_name,
-            weights_bytes=weights_bytes(self.model),
+            weights_bytes=parameter_bytes(self.model),
             prompt_tokens=len(self.prompt),
             max_positions=self.spec.max_context,
         )
@@ -437,11 +438,6 @@ class HFEngine:
     def close(self) -> None:
         self._cache = None
         _free(self.device)
-
-
-def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the loaded parameters (a tied embedding counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def open_hf_engine(settings: RunSettings) -> HFEngine:
