@@ -240,6 +240,8 @@ class KVApp(App[int]):
         self.live.reset(settings or self.live.settings)
         self.engine = self._engine_factory(self.live.settings)
         self._read_engine(self.engine, self._run_id)
+        if isinstance(self.screen, WorkScreen):
+            self.screen.show_run_note()  # the new run's length, now rather than at the next tick
 
     def restart_with(self, engine: str) -> None:
         self.start_run(replace(self.live.settings, engine=engine))

@@ -86,7 +86,7 @@ def prefill(model: Transformer, prompt: Tensor) -> Tensor:
 @torch.inference_mode()
 def decode_one_token(model: Transformer, token: Tensor, position: int) -> Tensor:
     """Feed one token `(1, 1)` at `position`, computing only its keys and values."""
-    return model(token, start=position, use_cache=True)[:, -1]
+    return model.decode(token, position)
 
 
 @torch.inference_mode()

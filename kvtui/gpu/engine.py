@@ -87,21 +87,27 @@ def spec_from_args(name: str, args: ModelArgs, params: int) -> ModelSpec:
 
 def load_tiny(device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[Transformer, dict]:
     """The shipped model from assets/ (never through pickle), or, when the file is missing, the
-    same architecture with seeded random weights. Returns the model and its metadata."""
+    same architecture with seeded random weights, ready to decode on `device`. Returns the model
+    and its metadata."""
     path = asset_path(TINY_WEIGHTS)
     if not path.exists():
         model = Transformer(TINY_ARGS)
         model.init_weights(seed)
-        return model.to(device=device, dtype=dtype).eval(), {
-            "name": "tiny-random",
-            "weights": "random",
-        }
-    with safe_open(path, framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-        args = ModelArgs.from_json(json.loads(metadata["config"]))
-        model = Transformer(args)
-        model.load_state_dict({key: f.get_tensor(key).float() for key in f.keys()})  # noqa: SIM118
-    return model.to(device=device, dtype=dtype).eval(), metadata
+        metadata = {"name": "tiny-random", "weights": "random"}
+    else:
+        with safe_open(path, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            args = ModelArgs.from_json(json.loads(metadata["config"]))
+            model = Transformer(args)
+            model.load_state_dict({key: f.get_tensor(key).float() for key in f.keys()})  # noqa: SIM118
+    return ready_to_decode(model.to(device=device, dtype=dtype), device), metadata
+
+
+def ready_to_decode(model: Transformer, device: torch.device) -> Transformer:
+    """In eval mode and, on a CPU, with its weights laid out for matrix-vector products."""
+    if device.type == "cpu":
+        model.store_weights_transposed()
+    return model.eval()
 
 
 def args_for_shape(spec: ModelSpec) -> ModelArgs:
@@ -174,7 +180,7 @@ def build_shape(
                 p.normal_(0.0, 0.02, generator=gen)
             elif name.endswith("weight"):
                 p.fill_(1.0)
-    return model.eval()
+    return ready_to_decode(model, device)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

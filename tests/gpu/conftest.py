@@ -20,3 +20,14 @@ def small_model() -> Transformer:
     model = Transformer(SMALL)
     model.init_weights(seed=7)
     return model.eval()
+
+
+@pytest.fixture(params=["rows", "transposed"])
+def either_layout(request) -> Transformer:
+    """The small model with its weights stored as trained (rows) and as `ready_to_decode` stores
+    them on a CPU (transposed, matrix-vector products through `matvec`)."""
+    model = Transformer(SMALL)
+    model.init_weights(seed=7)
+    if request.param == "transposed":
+        model.store_weights_transposed()
+    return model.eval()

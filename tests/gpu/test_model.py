@@ -1,7 +1,8 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kvtui.gpu.model import KVCache, ModelArgs, Transformer
+from kvtui.gpu.model import KVCache, ModelArgs, Transformer, matvec
 from kvtui.sim.memory import kv_bytes
 
 from .conftest import SMALL
@@ -45,6 +46,76 @@ def test_decoding_with_the_cache_matches_the_full_forward_at_every_position(smal
         chunk = small_model(ids[:, 33:], start=33, use_cache=True)  # several queries after a prefix
     incremental = torch.cat([head, *steps, chunk], dim=1)
     torch.testing.assert_close(incremental, full, rtol=1e-4, atol=1e-4)
+
+
+def _decode_after_prefill(model: Transformer, ids: torch.Tensor, prefix: int, one_token_path):
+    """Prefill `ids[:, :prefix]`, then feed the rest one token at a time through
+    `one_token_path(model, token, position)`; the logits of each step and the caches' keys and
+    values at the end."""
+    with torch.inference_mode():
+        model.setup_caches(ids.shape[0], ids.shape[1])
+        model(ids[:, :prefix], start=0, use_cache=True)
+        logits = [one_token_path(model, ids[:, i : i + 1], i) for i in range(prefix, ids.shape[1])]
+    caches = [(c.k.clone(), c.v.clone()) for c in model.caches]
+    model.drop_caches()
+    return torch.stack(logits), caches
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_one_token_path_is_forward_with_the_cache_bit_for_bit(small_model, batch):
+    """`decode` is the fast path of the cached loop: the same kernels as `forward` on one token,
+    so the same logits and the same keys and values written, exactly (weights as trained)."""
+    ids = torch.randint(0, 256, (batch, 50), generator=torch.Generator().manual_seed(3))
+    fast, fast_caches = _decode_after_prefill(small_model, ids, 7, lambda m, t, i: m.decode(t, i))
+    slow, slow_caches = _decode_after_prefill(
+        small_model, ids, 7, lambda m, t, i: m(t, start=i, use_cache=True)[:, -1]
+    )
+    assert fast.shape == (43, batch, 256)
+    assert torch.equal(fast, slow)
+    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_weights_stored_transposed_keep_their_values_and_the_model_its_outputs(small_model):
+    import copy
+
+    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(4))
+    moved = copy.deepcopy(small_model)
+    moved.store_weights_transposed()
+    linears = [m for m in moved.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 4 * SMALL.n_layer + 1
+    for lin in linears:  # same shape and values, laid out (in, out) in memory
+        assert lin.weight.t().is_contiguous() and not lin.weight.is_contiguous()
+    before, after = small_model.state_dict(), moved.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with torch.inference_mode():
+        torch.testing.assert_close(moved(ids), small_model(ids), rtol=1e-5, atol=1e-5)
+    step = lambda m, t, i: m.decode(t, i)  # noqa: E731
+    fast, _ = _decode_after_prefill(moved, ids, 10, step)
+    slow, _ = _decode_after_prefill(small_model, ids, 10, step)
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 64), (1, 1, 96), (2, 1, 64)], ids=str)
+def test_matvec_is_linear_for_either_layout(shape):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(shape, generator=gen)
+    rows = torch.randn(40, shape[-1], generator=gen)  # (out, in), as nn.Linear stores it
+    transposed = rows.t().contiguous().t()  # the same matrix, stored (in, out)
+    expected = F.linear(x, rows)
+    assert torch.equal(matvec(x, rows), expected)  # rows: F.linear itself
+    torch.testing.assert_close(matvec(x, transposed), expected, rtol=1e-5, atol=1e-5)
+    assert matvec(x, transposed).shape == expected.shape
+
+
+def test_decode_needs_caches_and_a_position_inside_the_rope_table(small_model):
+    token = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="setup_caches"):
+        small_model.decode(token, 0)
+    small_model.setup_caches(1, 8)
+    with pytest.raises(ValueError, match="past the model"):
+        small_model.decode(token, SMALL.max_positions)
 
 
 def test_positions_past_the_rope_tables_are_refused(small_model):

@@ -46,6 +46,20 @@ def test_shape_and_parameter_count(tiny):
     assert (spec.layers, spec.heads, spec.kv_heads, spec.head_dim) == (6, 8, 2, 32)
 
 
+def test_on_the_cpu_its_weights_are_laid_out_for_the_one_token_step(tiny):
+    """`load_tiny` on a CPU stores every linear weight transposed (`ready_to_decode`), with the
+    values of the shipped file."""
+    from safetensors import safe_open
+
+    model, _ = tiny
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(linears) == 25
+    assert all(m.weight.t().is_contiguous() for m in linears.values())
+    with safe_open(asset_path(TINY_WEIGHTS), framework="pt") as f:
+        shipped = f.get_tensor("layers.0.feed_forward.w13.weight").float()
+    assert torch.equal(linears["layers.0.feed_forward.w13"].weight, shipped)
+
+
 def test_the_trained_model_knows_austen(tiny):
     model, _ = tiny
     loss = evaluate(model, encode(PASSAGE * 4), context=256, max_windows=None)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Every GPU check of the decode engine, in one run, for a machine with an NVIDIA GPU:
+#
+#   bash benchmarks/gpu_checks.sh [OUT_DIR]          # default OUT_DIR: $OUT, else /tmp/kvtui-gpu
+#
+# 1. the tests marked `cuda` (skipped on a machine without one);
+# 2. `kvtui bench --device cuda --json --record` on tiny, shape:llama-3.2-1b and
+#    shape:llama-3.1-8b: both loops, same tokens, KV bytes measured against the formula, and every
+#    step recorded, so the run can be replayed on a laptop (`kvtui --engine replay:FILE`);
+# 3. a summary: tokens/s, identical ids, KV bytes, and the memory bandwidth a cached step achieves
+#    (weights + KV bytes read / step time) against the GPU's peak from NVML.
+#
+# DEVICE, ENGINES and TOKENS override the defaults (DEVICE=cpu ENGINES=tiny TOKENS=32 tries the
+# script itself on a CPU). The script goes on past a failed check; its exit status says whether
+# any failed.
+set -u
+out=${1:-${OUT:-/tmp/kvtui-gpu}}
+device=${DEVICE:-cuda}
+engines=${ENGINES:-tiny shape:llama-3.2-1b shape:llama-3.1-8b}
+tokens=${TOKENS:-256}
+mkdir -p "$out"
+failed=0
+
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || echo "nvidia-smi: not available" | tee -a "$out/nvidia-smi.txt"
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())" \
+    | tee "$out/torch.txt"
+
+echo "== tests marked cuda"
+python -m pytest -q -m cuda tests 2>&1 | tee "$out/pytest-cuda.txt" | tail -3
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+
+for engine in $engines; do
+    name=${engine//:/-}
+    echo "== kvtui bench --engine $engine --device $device --tokens $tokens"
+    if ! python -m kvtui bench --engine "$engine" --device "$device" --tokens "$tokens" --seed 1 \
+        --json --record "$out/$name.jsonl" >"$out/$name.json" 2>"$out/$name.err"; then
+        failed=1
+        tail -3 "$out/$name.err"
+    fi
+done
+
+echo "== summary"
+python - "$out" $engines <<'EOF' | tee "$out/summary.txt"
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+for engine in sys.argv[2:]:
+    path = out / f"{engine.replace(':', '-')}.json"
+    try:
+        r = json.loads(path.read_text())
+    except (OSError, ValueError):
+        print(f"{engine}: no result (see {path.with_suffix('.err')})")
+        continue
+    c, u = r["cached"], r["uncached"]
+    achieved, peak = r.get("achieved_bandwidth_bytes_per_s"), r.get("peak_bandwidth_bytes_per_s")
+    share = f" = {achieved / peak:.0%} of peak {peak / 1e9:.0f} GB/s" if achieved and peak else ""
+    print(
+        f"{engine} on {r['device']} ({r['dtype']}): cached {c['tokens_per_s']:.1f} tok/s "
+        f"(p50 {c['step_ms_p50']:.2f} ms), uncached {u['tokens_per_s']:.1f} tok/s; "
+        f"identical={r['identical']}; KV {r['kv_bytes_measured']:,} B measured, "
+        f"{r['kv_bytes_formula']:,} B by the formula; cached step reads "
+        f"{(achieved or 0) / 1e9:.1f} GB/s{share}"
+    )
+EOF
+exit $failed
