@@ -100,12 +100,12 @@ def load_tiny(device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[
             args = ModelArgs.from_json(json.loads(metadata["config"]))
             model = Transformer(args)
             model.load_state_dict({key: f.get_tensor(key).float() for key in f.keys()})  # noqa: SIM118
-    return ready_to_decode(model.to(device=device, dtype=dtype), device), metadata
+    return ready_to_decode(model.to(device=device, dtype=dtype)), metadata
 
 
-def ready_to_decode(model: Transformer, device: torch.device) -> Transformer:
+def ready_to_decode(model: Transformer) -> Transformer:
     """In eval mode and, on a CPU, with its weights laid out for matrix-vector products."""
-    if device.type == "cpu":
+    if model.output.weight.device.type == "cpu":
         model.store_weights_transposed()
     return model.eval()
 
@@ -142,6 +142,12 @@ def _params_of(args: ModelArgs) -> int:
     )
 
 
+def _largest_weight(args: ModelArgs) -> int:
+    """Elements of the model's largest linear weight."""
+    q_dim, kv_dim = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
+    return args.dim * max(q_dim + 2 * kv_dim, q_dim, 2 * args.intermediate_size, args.vocab_size)
+
+
 def available_bytes(device: torch.device) -> tuple[int, str]:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -160,11 +166,15 @@ def build_shape(
     args = args_for_shape(spec)
     element = torch.empty((), dtype=dtype).element_size()
     need = _params_of(args) * element + kv_bytes(spec, context, 1, _DTYPE_NAMES[dtype])
+    what = f"weights + KV cache for {context:,} tokens"
+    if device.type == "cpu":  # `ready_to_decode` copies one weight at a time into a new layout
+        need += _largest_weight(args) * element
+        what += " + a copy of the largest weight"
     have, where = available_bytes(device)
     if need > have:
         raise EngineError(
-            f"shape:{spec.name} needs {format_bytes(need)} (weights + KV cache for {context:,} "
-            f"tokens) but only {format_bytes(have)} of {where} is available"
+            f"shape:{spec.name} needs {format_bytes(need)} ({what}) but only "
+            f"{format_bytes(have)} of {where} is available"
         )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # allocate in the run's dtype, on the device, once
@@ -180,7 +190,7 @@ def build_shape(
                 p.normal_(0.0, 0.02, generator=gen)
             elif name.endswith("weight"):
                 p.fill_(1.0)
-    return ready_to_decode(model, device)
+    return ready_to_decode(model)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:

@@ -141,12 +141,18 @@ def matvec(x: Tensor, weight: Tensor) -> Tensor:
     A weight stored transposed on a CPU (`Transformer.store_weights_transposed`) is, in memory,
     one row of `out_features` per input feature, and for one vector `x @ weight.T` is the sum of
     those rows weighted by `x`'s features: what `embedding_bag(mode="sum", per_sample_weights=x)`
-    computes, in an FBGEMM kernel (x86 builds of torch) that streams the rows faster than MKL's
-    matrix product: a step's 25 products take 0.57 ms against 0.84 ms for `F.linear` on the same
-    layout and 1.9 ms on the layout as trained, here (`benchmarks/decode_step.py`). Anything else
-    (several vectors, the layout as trained, a GPU, no FBGEMM) goes to `F.linear`.
+    computes, in an FBGEMM kernel (x86 builds of torch). For weights up to a few MB, such as the
+    tiny model's, that kernel beats MKL's product on the same layout (1.1-3x a weight here); for
+    larger ones it is about twice as slow, so they, and anything else (several vectors, the layout
+    as trained, a GPU, no FBGEMM), go to `F.linear`. `benchmarks/decode_step.py` measures it.
     """
-    if weight.stride(0) == 1 and x.numel() == x.shape[-1] and x.device.type == "cpu" and _FBGEMM:
+    if (
+        weight.stride(0) == 1
+        and weight.numel() <= ROW_SUM_MAX_ELEMENTS
+        and x.numel() == x.shape[-1]
+        and x.device.type == "cpu"
+        and _FBGEMM
+    ):
         rows = weight.t()  # (in_features, out_features), contiguous
         index, offsets = _rows_and_offsets(rows.shape[0])
         out = F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=x.reshape(-1))
@@ -154,13 +160,20 @@ def matvec(x: Tensor, weight: Tensor) -> Tensor:
     return F.linear(x, weight)
 
 
+ROW_SUM_MAX_ELEMENTS = 1 << 21
+"""Largest weight `matvec` sums by rows (8 MB in fp32). Measured on this machine, one thread: the
+row sum is 1.1-3.3x faster than `F.linear` from 256x256 to 4096x1024, and 0.5x at 4096x4096
+and beyond."""
+
 _FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 
 @functools.cache
 def _rows_and_offsets(n_rows: int) -> tuple[Tensor, Tensor]:
-    """Every row once, in one bag: the indices and offsets `embedding_bag` takes for a matvec."""
-    return torch.arange(n_rows), torch.zeros(1, dtype=torch.long)
+    """Every row once, in one bag: the indices and offsets `embedding_bag` takes for a matvec.
+    Made outside inference mode, so that a later call with gradients may use them too."""
+    with torch.inference_mode(False):
+        return torch.arange(n_rows), torch.zeros(1, dtype=torch.long)
 
 
 class Attention(nn.Module):
@@ -210,8 +223,8 @@ class Attention(nn.Module):
         k, v = cache.update(position, qk[:, H:].unsqueeze(2), qkv[:, H + KV :].unsqueeze(2))
         # As in forward: each query group is rows against its shared key/value head.
         group = qk[:, :H].view(B, KV, H // KV, self.head_dim)
-        y = F.scaled_dot_product_attention(group, k, v)
-        return matvec(y.view(B, 1, self.q_dim), self.wo.weight)
+        y = F.scaled_dot_product_attention(group, k, v)  # not always contiguous on a GPU
+        return matvec(y.reshape(B, 1, self.q_dim), self.wo.weight)
 
 
 class FeedForward(nn.Module):
@@ -276,12 +289,13 @@ class Transformer(nn.Module):
 
     def store_weights_transposed(self) -> None:
         """Keep every linear weight in memory as `(in_features, out_features)`, still seen as
-        `(out_features, in_features)` (a transposed view): values, shapes and the state dict are
-        unchanged.
+        `(out_features, in_features)` (a transposed view): values, shapes and the state dict's
+        keys are unchanged, though its tensors are no longer contiguous (call `.contiguous()`
+        on them before saving with safetensors).
 
         For a CPU, where a one-token step multiplies each weight by one vector: MKL streams this
-        layout about twice as fast, and `matvec` faster still (`benchmarks/decode_step.py`).
-        Prefill and the uncached loop, which multiply matrices, run as fast as before.
+        layout faster, and `matvec` faster still (`benchmarks/decode_step.py`). Prefill and the
+        uncached loop, which multiply matrices, run as fast as before.
         """
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -342,12 +356,17 @@ class Transformer(nn.Module):
         into the KV caches: `forward(token, position, use_cache=True)`, faster.
 
         A one-token step of a small model on a CPU is bound by dispatch, not arithmetic: besides
-        its 25 matrix-vector products, `forward` makes 57 module calls and some 200 small torch
-        ops. This path calls no modules and transposes no heads, and multiplies through `matvec`.
-        With the weights as trained it gives `forward`'s results bit for bit (a test checks),
-        about 8% sooner; with them stored transposed on a CPU, as the engine runs, a step of the
-        tiny model takes 2.2 ms against `forward`'s 3.1 ms (`benchmarks/decode_step.py`).
+        its matrix-vector products, `forward` makes a module call for every norm, projection and
+        block (57 a step for the tiny model). This path calls no modules, transposes no heads,
+        and multiplies through `matvec`. With the weights as trained it gives `forward`'s
+        results bit for bit (a test checks); with them stored transposed on a CPU, as the engine
+        runs, they differ by rounding, and the step is about a third shorter
+        (`benchmarks/decode_step.py`).
         """
+        if token.shape[1] != 1:
+            raise ValueError(
+                f"decode takes one token per sequence, (B, 1), not {tuple(token.shape)}"
+            )
         if self.caches is None:
             raise RuntimeError("setup_caches() first")
         if position >= self.args.max_positions:

@@ -117,7 +117,7 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
         ("shape:", "needs a model name"),
         ("shape:llama-9", "unknown model"),
         ("shape:deepseek-v3", "not supported"),
-        ("shape:llama-3.1-70b", "needs 262.9 GiB"),
+        ("shape:llama-3.1-70b", "needs 266.8 GiB"),
     ],
 )
 def test_bad_engines_are_one_clear_error(engine, message, monkeypatch):

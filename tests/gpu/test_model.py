@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvtui.gpu import model as model_module
 from kvtui.gpu.model import KVCache, ModelArgs, Transformer, matvec
 from kvtui.sim.memory import kv_bytes
 
@@ -76,10 +77,11 @@ def test_the_one_token_path_is_forward_with_the_cache_bit_for_bit(small_model, b
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_weights_stored_transposed_keep_their_values_and_the_model_its_outputs(small_model):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_weights_stored_transposed_keep_their_values_and_the_model_its_outputs(small_model, batch):
     import copy
 
-    ids = torch.randint(0, 256, (1, 60), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 256, (batch, 60), generator=torch.Generator().manual_seed(4))
     moved = copy.deepcopy(small_model)
     moved.store_weights_transposed()
     linears = [m for m in moved.modules() if isinstance(m, torch.nn.Linear)]
@@ -92,21 +94,50 @@ def test_weights_stored_transposed_keep_their_values_and_the_model_its_outputs(s
     with torch.inference_mode():
         torch.testing.assert_close(moved(ids), small_model(ids), rtol=1e-5, atol=1e-5)
     step = lambda m, t, i: m.decode(t, i)  # noqa: E731
-    fast, _ = _decode_after_prefill(moved, ids, 10, step)
-    slow, _ = _decode_after_prefill(small_model, ids, 10, step)
+    fast, fast_caches = _decode_after_prefill(moved, ids, 10, step)
+    slow, slow_caches = _decode_after_prefill(small_model, ids, 10, step)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
+        torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (1, 1, 96), (2, 1, 64)], ids=str)
-def test_matvec_is_linear_for_either_layout(shape):
+def test_matvec_is_linear_for_either_layout(shape, monkeypatch):
+    """Only one vector against a weight stored transposed takes the row sum; the answer is
+    `F.linear`'s either way (to rounding)."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(shape, generator=gen)
     rows = torch.randn(40, shape[-1], generator=gen)  # (out, in), as nn.Linear stores it
     transposed = rows.t().contiguous().t()  # the same matrix, stored (in, out)
     expected = F.linear(x, rows)
-    assert torch.equal(matvec(x, rows), expected)  # rows: F.linear itself
+    row_sums = []
+    real = F.embedding_bag
+    monkeypatch.setattr(F, "embedding_bag", lambda *a, **k: row_sums.append(1) or real(*a, **k))
+    assert torch.equal(matvec(x, rows), expected)  # as trained: F.linear itself
+    assert row_sums == []
     torch.testing.assert_close(matvec(x, transposed), expected, rtol=1e-5, atol=1e-5)
     assert matvec(x, transposed).shape == expected.shape
+    one_vector = shape[0] == 1
+    assert bool(row_sums) == (one_vector and model_module._FBGEMM)
+
+
+def test_matvec_leaves_large_weights_to_linear(monkeypatch):
+    monkeypatch.setattr(model_module, "ROW_SUM_MAX_ELEMENTS", 100)
+    monkeypatch.setattr(F, "embedding_bag", None)  # would fail if called
+    x, weight = torch.randn(1, 1, 16), torch.randn(16, 16).t()  # 256 elements, stored (in, out)
+    torch.testing.assert_close(matvec(x, weight), F.linear(x, weight))
+
+
+def test_matvec_works_with_gradients_after_an_inference_call():
+    """The cached indices are made outside inference mode: a later call that records
+    gradients may use them."""
+    x = torch.randn(1, 1, 48)
+    weight = torch.randn(48, 24).t().requires_grad_()  # stored (in, out)
+    with torch.inference_mode():
+        matvec(x, weight.detach())
+    matvec(x, weight).sum().backward()
+    torch.testing.assert_close(weight.grad, x.view(1, 48).expand(24, 48))
 
 
 def test_decode_needs_caches_and_a_position_inside_the_rope_table(small_model):
@@ -116,6 +147,21 @@ def test_decode_needs_caches_and_a_position_inside_the_rope_table(small_model):
     small_model.setup_caches(1, 8)
     with pytest.raises(ValueError, match="past the model"):
         small_model.decode(token, SMALL.max_positions)
+    with pytest.raises(ValueError, match="one token"):
+        small_model.decode(torch.zeros(1, 2, dtype=torch.long), 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_a_gpu_decode_is_forward_with_the_cache(small_model, dtype):
+    model = small_model.to(device="cuda", dtype=dtype)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(6)).cuda()
+    fast, _ = _decode_after_prefill(model, ids, 8, lambda m, t, i: m.decode(t, i))
+    slow, _ = _decode_after_prefill(
+        model, ids, 8, lambda m, t, i: m(t, start=i, use_cache=True)[:, -1]
+    )
+    torch.testing.assert_close(fast.float(), slow.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_positions_past_the_rope_tables_are_refused(small_model):
