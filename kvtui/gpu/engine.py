@@ -115,9 +115,7 @@ def args_for_shape(spec: ModelSpec) -> ModelArgs:
     if spec.is_mla or spec.active_params is not None:
         raise EngineError(
             f"shape:{spec.name} is not supported: its attention (MLA) or experts (MoE) are not "
-            "a dense grouped-query decoder; use sim:{spec.name}@GPU instead".replace(
-                "{spec.name}", spec.name
-            )
+            f"a dense grouped-query decoder; use sim:{spec.name}@GPU instead"
         )
     return ModelArgs(
         n_layer=spec.layers,
@@ -191,6 +189,20 @@ def build_shape(
             elif name.endswith("weight"):
                 p.fill_(1.0)
     return ready_to_decode(model)
+
+
+def sampling_of(settings: RunSettings) -> Sampling:
+    """How the run's settings choose each token."""
+    s = settings
+    return Sampling(temperature=s.temperature, top_k=s.top_k, seed=s.seed, greedy=s.greedy)
+
+
+def too_long(loop: Loop, positions: int, max_positions: int) -> RunFinished | None:
+    """The refusal of a run of `positions` (prompt + answer) past the model's, or None."""
+    if positions <= max_positions:
+        return None
+    message = f"{positions:,} positions is past the model's {max_positions:,}"
+    return RunFinished(loop, "error", 0, message)
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -292,17 +304,12 @@ class TorchEngine:
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
         s = self.settings
-        sampling = Sampling(temperature=s.temperature, top_k=s.top_k, seed=s.seed, greedy=s.greedy)
         prompt = self._prompt()
         P = prompt.shape[1]
-        if P + s.tokens > self.model.args.max_positions:
-            yield RunFinished(
-                loop,
-                "error",
-                0,
-                f"{P + s.tokens:,} positions is past the model's {self.model.args.max_positions:,}",
-            )
+        if refused := too_long(loop, P + s.tokens, self.model.args.max_positions):
+            yield refused
             return
+        sampling = sampling_of(s)
         run = cached_loop if loop == "cached" else uncached_loop
         text = Utf8Stream()
         allocated, done = None, 0

@@ -37,7 +37,9 @@ from kvtui.gpu.engine import (
     default_dtype,
     parameter_bytes,
     pick_device,
+    sampling_of,
     step_sample,
+    too_long,
     torch_run_started,
 )
 from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config, normalize_dtype
@@ -394,17 +396,12 @@ class HFEngine:
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
         s = self.settings
-        sampling = Sampling(temperature=s.temperature, top_k=s.top_k, seed=s.seed, greedy=s.greedy)
         prompt = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
         P = prompt.shape[1]
-        if P + s.tokens > self.spec.max_context:
-            yield RunFinished(
-                loop,
-                "error",
-                0,
-                f"{P + s.tokens:,} positions is past the model's {self.spec.max_context:,}",
-            )
+        if refused := too_long(loop, P + s.tokens, self.spec.max_context):
+            yield refused
             return
+        sampling = sampling_of(s)
         text = TextStream(self.tokenizer, self.prompt)
         allocated, done, out_of_memory = None, 0, False
         cache: Any = None

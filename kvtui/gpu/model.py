@@ -333,19 +333,24 @@ class Transformer(nn.Module):
     def kv_bytes_filled(self) -> int:
         return sum(c.filled_bytes for c in self.caches) if self.caches else 0
 
+    def _rotations(self, start: int, n: int) -> Tensor:
+        """The RoPE angles of positions `start..start+n-1` as complex numbers `(n, 1, hd // 2)`;
+        `ValueError` past the table."""
+        if start + n > self.args.max_positions:
+            limit = self.args.max_positions
+            raise ValueError(f"position {start + n} is past the model's {limit}")
+        return torch.view_as_complex(self.rope[start : start + n, None].float())
+
     def forward(self, idx: Tensor, start: int = 0, use_cache: bool = False) -> Tensor:
         """Logits `(B, T, vocab)` for tokens `idx` `(B, T)` at positions `start..start+T-1`.
 
         With `use_cache`, each layer writes its new keys and values into its KV cache and attends
         over everything cached so far; without, attention covers `idx` alone (causal).
         """
-        T = idx.shape[1]
-        if start + T > self.args.max_positions:
-            raise ValueError(f"position {start + T} is past the model's {self.args.max_positions}")
         caches = self.caches if use_cache else None
         if use_cache and caches is None:
             raise RuntimeError("setup_caches() first")
-        freqs = torch.view_as_complex(self.rope[start : start + T, None].float())  # (T, 1, hd // 2)
+        freqs = self._rotations(start, idx.shape[1])
         x = self.tok_embeddings(idx)  # (B, T, dim)
         for i, layer in enumerate(self.layers):
             x = layer(x, freqs, caches[i] if caches else None, start)
@@ -369,10 +374,7 @@ class Transformer(nn.Module):
             )
         if self.caches is None:
             raise RuntimeError("setup_caches() first")
-        if position >= self.args.max_positions:
-            limit = self.args.max_positions
-            raise ValueError(f"position {position + 1} is past the model's {limit}")
-        freqs = torch.view_as_complex(self.rope[position : position + 1, None].float())
+        freqs = self._rotations(position, 1)
         x = F.embedding(token, self.tok_embeddings.weight)  # (B, 1, dim)
         for layer, cache in zip(self.layers, self.caches, strict=True):
             x = layer.decode(x, freqs, cache, position)

@@ -13,7 +13,6 @@ from textual_plotext.plot import Plot
 
 from kvtui.format import format_int, format_ratio, format_seconds
 from kvtui.screens.base import WorkScreen
-from kvtui.screens.live import LiveRun
 from kvtui.sim.work import (
     cached_cumulative,
     cached_step_positions,
@@ -53,9 +52,6 @@ class CacheScreen(WorkScreen):
     BINDINGS = [Binding("c", "toggle_cache", "Cache")]
 
     cache_on: reactive[bool] = reactive(True, init=False)
-
-    def __init__(self, live: LiveRun, length: int = 24, *, name: str | None = None) -> None:
-        super().__init__(live, length, name=name)
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(classes="cards"):
