@@ -32,10 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.gpu.decode import Sampling, cached_loop, encode_text, uncached_loop  # noqa: E402
-from kvtui.gpu.engine import TINY_ARGS, load_tiny  # noqa: E402
-from kvtui.gpu.model import ModelArgs, Transformer, matvec  # noqa: E402
-from kvtui.sim.steps import DEFAULT_PROMPT  # noqa: E402
+from kvtui.decoder import ModelArgs, Transformer, matvec  # noqa: E402
+from kvtui.engine.protocol import DEFAULT_PROMPT  # noqa: E402
+from kvtui.engine.torch_engine import TINY_ARGS, Sampling, encode_text, generate, load_tiny  # noqa: E402  # noqa: E402
 
 CACHED_GOAL = 1.5
 """Issue 4: cached tokens/s at least 1.5x transformers' on this CPU."""
@@ -144,9 +143,8 @@ def build_hf(ours: Transformer):
 
 
 def run_ours(model: Transformer, prompt: torch.Tensor, n: int, cached: bool) -> tuple[float, list]:
-    loop = cached_loop if cached else uncached_loop
     t0 = time.perf_counter()
-    ids = [step.token_id for step in loop(model, prompt, n, Sampling(greedy=True))]
+    ids = [s.token_id for s in generate(model, prompt, n, Sampling(greedy=True), cache=cached)]
     return time.perf_counter() - t0, ids
 
 

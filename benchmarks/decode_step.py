@@ -36,8 +36,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.gpu.engine import load_tiny  # noqa: E402
-from kvtui.gpu.model import Transformer, matvec  # noqa: E402
+from kvtui.decoder import Transformer, matvec  # noqa: E402
+from kvtui.engine.torch_engine import load_tiny  # noqa: E402
 
 
 def time_per_step(run, steps: int) -> float:

@@ -30,9 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.gpu.decode import Sampling, cached_loop, encode_text, uncached_loop  # noqa: E402
-from kvtui.gpu.engine import load_tiny  # noqa: E402
-from kvtui.sim.steps import DEFAULT_PROMPT  # noqa: E402
+from kvtui.engine.protocol import DEFAULT_PROMPT  # noqa: E402
+from kvtui.engine.torch_engine import (  # noqa: E402
+    Sampling,
+    encode_text,
+    generate,
+    load_tiny,  # noqa: E402
+)
 
 BINS = 8
 """Rows of the printed table: the run cut into this many equal spans of steps."""
@@ -40,10 +44,9 @@ BINS = 8
 
 def run_loop(model, prompt, n: int, cached: bool, progress) -> tuple[list[int], list[float], list]:
     """Positions, step seconds and token ids of one run."""
-    loop = cached_loop if cached else uncached_loop
     positions, seconds, ids = [], [], []
     t0 = time.perf_counter()
-    for step in loop(model, prompt, n, Sampling(greedy=True)):
+    for step in generate(model, prompt, n, Sampling(greedy=True), cache=cached):
         positions.append(step.position)
         seconds.append(step.step_seconds)
         ids.append(step.token_id)

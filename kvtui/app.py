@@ -1,6 +1,6 @@
 """The kvtui App: three lesson screens as modes, app-wide keys, and the engine's reader worker.
 
-The decode engine runs in a process of its own (`kvtui.worker.EngineProcess`), so the UI process
+The decode engine runs in a process of its own (`kvtui.engine.process.EngineProcess`), so the UI process
 never imports torch and a busy UI cannot slow the steps it measures. A thread worker reads the
 engine's events and posts them back in batches, at most ~20 times a second; the app folds them into
 one `LiveRun` that every screen was given, and each screen redraws from it on its own throttled
@@ -24,13 +24,13 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.message import Message
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings
 from kvtui.screens.base import MAX_LENGTH, WorkScreen
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import LiveRun
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import gpu_names, model_names
-from kvtui.sim.steps import Event, RunFailed, RunFinished, RunSettings
 
 MODES = ("recompute", "cache", "memory")
 """The lesson's screens, in order: keys 1, 2 and 3."""
@@ -39,8 +39,8 @@ POST_INTERVAL_S = 0.05
 """The reader worker posts at most one batch of events per this many seconds (20 a second)."""
 
 
-class Engine(Protocol):
-    """What the app needs of an engine process (`kvtui.worker.EngineProcess` provides it)."""
+class EngineHandle(Protocol):
+    """The app's handle on a running engine (`kvtui.engine.process.EngineProcess` is one)."""
 
     def start(self) -> None: ...
     def events(self) -> Iterator[Event]: ...
@@ -52,12 +52,12 @@ class Engine(Protocol):
     def alive(self) -> bool: ...
 
 
-EngineFactory = Callable[[RunSettings], Engine]
+EngineFactory = Callable[[RunSettings], EngineHandle]
 
 
-def engine_process(settings: RunSettings) -> Engine:
-    """The real engine: a child process running `python -m kvtui.worker`."""
-    from kvtui.worker import EngineProcess
+def engine_process(settings: RunSettings) -> EngineHandle:
+    """The real engine: a child process running `python -m kvtui.engine.process`."""
+    from kvtui.engine.process import EngineProcess
 
     return EngineProcess(settings)
 
@@ -172,7 +172,7 @@ class KVApp(App[int]):
         self.config = config
         self._engine_factory = engine_factory
         self.live = LiveRun(config.settings)
-        self.engine: Engine | None = None
+        self.engine: EngineHandle | None = None
         self._run_id = 0
         self._lesson = {
             "recompute": RecomputeScreen(self.live, config.length),
@@ -224,7 +224,7 @@ class KVApp(App[int]):
 
     @work(thread=True, exclusive=True, group="probe", exit_on_error=False)
     def _probe_device(self) -> None:
-        from kvtui.gpu.probe import probe_summary
+        from kvtui.probe import probe_summary
 
         self.post_message(self.DeviceProbed(probe_summary()))
 
@@ -288,7 +288,7 @@ class KVApp(App[int]):
         self.close_engine()
 
     @work(thread=True, exclusive=True, group="decode", exit_on_error=False)
-    def _read_engine(self, engine: Engine, run_id: int) -> None:
+    def _read_engine(self, engine: EngineHandle, run_id: int) -> None:
         """Start the engine, then relay its events in batches until it ends or we are cancelled.
 
         A helper thread blocks on the engine's pipe and feeds a queue, so this loop wakes every

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvtui import __version__
+from kvtui.engine.protocol import DEFAULT_PROMPT, EngineError, RunSettings
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
@@ -40,7 +41,6 @@ from kvtui.sim.catalog import (
     normalize_dtype,
 )
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, budget, kv_bytes_per_token
-from kvtui.sim.steps import DEFAULT_PROMPT, EngineError, RunSettings
 from kvtui.sim.work import cached_step_positions, work_summary
 
 EXIT_USAGE = 2
@@ -272,18 +272,18 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_app(args: argparse.Namespace) -> int:
+def cmd_app(args: argparse.Namespace) -> int:
     """`kvtui` with no subcommand: open the Textual app (imported only now)."""
-    from kvtui.engines import check_engine
+    from kvtui.engine.spec import check_engine
 
     settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
     try:
         check_engine(settings)
     except EngineError as exc:
         raise UsageError(f"kvtui: {exc}") from None
-    from kvtui.app import run_app as open_app
+    from kvtui.app import run_app
 
-    return int(open_app(settings, screen=args.screen, length=args.length) or 0)
+    return int(run_app(settings, screen=args.screen, length=args.length) or 0)
 
 
 DEFAULT_APP_TOKENS = 256
@@ -398,7 +398,7 @@ def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSett
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Both loops on one prompt, measured; a table, or `--json`."""
-    from kvtui.bench import format_table, run_bench
+    from kvtui.engine.bench import format_table, run_bench
 
     settings = settings_from_args(args, default_tokens=256)
     progress = (
@@ -468,7 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        handler = getattr(args, "handler", None) or run_app
+        handler = getattr(args, "handler", None) or cmd_app
         return handler(args)
     except UsageError as exc:
         print(exc, file=sys.stderr)

@@ -12,9 +12,8 @@ import argparse
 
 import torch
 
-from kvtui.gpu.decode import Sampling, cached_loop, encode_text
-from kvtui.gpu.engine import load_tiny
-from kvtui.sim.steps import DEFAULT_PROMPT
+from kvtui.engine.protocol import DEFAULT_PROMPT
+from kvtui.engine.torch_engine import Sampling, encode_text, generate, load_tiny
 from kvtui.text import decode_bytes
 
 
@@ -33,7 +32,7 @@ def main() -> int:
     print(f"# {meta.get('name')}: validation loss {meta.get('val_loss_nats_per_byte')} nats/byte")
     for seed in args.seeds:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, seed=seed)
-        steps = cached_loop(model, encode_text(args.prompt), args.tokens, sampling)
+        steps = generate(model, encode_text(args.prompt), args.tokens, sampling, cache=True)
         text = decode_bytes([s.token_id for s in steps])
         print(f"\n## seed {seed}\n\n{args.prompt}{text}")
     return 0

@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 
 from kvtui.app import make_app
-from kvtui.sim.steps import RunSettings
+from kvtui.engine.protocol import RunSettings
 
 
 async def shoot(settings: RunSettings, size: tuple[int, int], out: Path, length: int) -> None:

@@ -337,7 +337,7 @@ def test_no_subcommand_runs_the_app(monkeypatch):
     import kvtui.cli
 
     seen = []
-    monkeypatch.setattr(kvtui.cli, "run_app", lambda args: seen.append(args) or 0)
+    monkeypatch.setattr(kvtui.cli, "cmd_app", lambda args: seen.append(args) or 0)
     assert main(["--screen", "3"]) == 0
     assert seen[0].screen == 3
 

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from kvtui.corpus import (
+from kvtui.training.corpus import (
     DEBIAN_DATA_DIR,
     NOVELS,
     RDataError,

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtui.sim.steps import Loop, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.engine.protocol import Loop, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
 

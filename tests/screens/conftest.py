@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakes import FakeEngine  # noqa: E402
 
 from kvtui.app import KVApp, make_app  # noqa: E402
-from kvtui.sim.steps import RunSettings  # noqa: E402
+from kvtui.engine.protocol import RunSettings  # noqa: E402
 
 PROBE = {"description": "CPU, no GPU: NVML library not found (libnvidia-ml.so.1)", "name": None}
 SETTINGS = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=32, seed=0)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
+from kvtui.engine.protocol import Event, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
-from kvtui.sim.steps import Event, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.sim.work import decode_step_bytes, decode_step_flops, uncached_step_flops
 
 WORDS = [

@@ -6,7 +6,7 @@ from conftest import build
 from fakes import FakeEngine
 from textual.worker import WorkerState
 
-from kvtui.sim.steps import RunFailed
+from kvtui.engine.protocol import RunFailed
 
 SIZE = (100, 30)
 
@@ -106,7 +106,7 @@ async def test_an_engine_that_refuses_the_length_says_why():
     from conftest import SETTINGS
     from fakes import sim_events
 
-    from kvtui.sim.steps import RunFinished
+    from kvtui.engine.protocol import RunFinished
 
     why = "4,140 positions is past the model's 4,096"
     started = sim_events(SETTINGS)[0]

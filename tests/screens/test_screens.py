@@ -76,7 +76,7 @@ async def test_screen2_shows_the_first_divergence():
     from conftest import SETTINGS
     from fakes import sim_events
 
-    from kvtui.sim.steps import StepSample
+    from kvtui.engine.protocol import StepSample
 
     events = sim_events(SETTINGS)
     tampered = [

@@ -1,6 +1,6 @@
 import pytest
 
-from kvtui.gpu.decode import Sampling, cached_loop, encode_text, uncached_loop
+from kvtui.engine.torch_engine import Sampling, encode_text, generate
 from kvtui.text import Utf8Stream, decode_bytes, encode_bytes
 
 PROMPT = "It is a truth universally acknowledged, that"
@@ -13,16 +13,16 @@ PROMPT = "It is a truth universally acknowledged, that"
 )
 def test_cached_and_uncached_loops_emit_the_same_512_tokens(either_layout, sampling):
     prompt = encode_text(PROMPT)
-    cached = list(cached_loop(either_layout, prompt, 512, sampling))
-    uncached = list(uncached_loop(either_layout, prompt, 512, sampling))
+    cached = list(generate(either_layout, prompt, 512, sampling, cache=True))
+    uncached = list(generate(either_layout, prompt, 512, sampling, cache=False))
     assert [s.token_id for s in cached] == [s.token_id for s in uncached]
     assert len({s.token_id for s in cached}) > 5  # a real stream, not one repeated token
 
 
 def test_positions_computed_are_the_staircase_and_the_flat_line(small_model):
     prompt = encode_text("abc")
-    cached = list(cached_loop(small_model, prompt, 6, Sampling(greedy=True)))
-    uncached = list(uncached_loop(small_model, prompt, 6, Sampling(greedy=True)))
+    cached = list(generate(small_model, prompt, 6, Sampling(greedy=True), cache=True))
+    uncached = list(generate(small_model, prompt, 6, Sampling(greedy=True), cache=False))
     assert [s.positions_computed for s in uncached] == [3, 4, 5, 6, 7, 8]
     assert [s.positions_computed for s in cached] == [3, 1, 1, 1, 1, 1]
     assert [s.position for s in cached] == [3, 4, 5, 6, 7, 8]
@@ -37,14 +37,16 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(small_model):
     prompt = encode_text(PROMPT)
 
     def run(seed: int) -> list[int]:
-        return [s.token_id for s in cached_loop(small_model, prompt, 64, Sampling(seed=seed))]
+        return [
+            s.token_id for s in generate(small_model, prompt, 64, Sampling(seed=seed), cache=True)
+        ]
 
     assert run(1) == run(1)
     assert run(1) != run(2)
 
 
 def test_caches_are_freed_when_a_cached_run_stops_early(small_model):
-    loop = cached_loop(small_model, encode_text(PROMPT), 100, Sampling(greedy=True))
+    loop = generate(small_model, encode_text(PROMPT), 100, Sampling(greedy=True), cache=True)
     next(loop)
     assert small_model.caches is not None
     loop.close()

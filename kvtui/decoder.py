@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvtui.sim.catalog import estimate_params
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -43,6 +45,20 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.dim // self.n_head
+
+    @property
+    def params(self) -> int:
+        """Parameters of this shape, by kvtui.sim's one counter (exact: a test counts tensors)."""
+        return estimate_params(
+            layers=self.n_layer,
+            heads=self.n_head,
+            kv_heads=self.n_kv_head,
+            head_dim=self.head_dim,
+            hidden_size=self.dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            tied_embeddings=False,
+        )
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -103,10 +119,10 @@ class KVCache(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, **factory: object) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self)
@@ -177,13 +193,13 @@ def _rows_and_offsets(n_rows: int) -> tuple[Tensor, Tensor]:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
         self.q_dim = args.n_head * args.head_dim
         self.kv_dim = args.n_kv_head * args.head_dim
-        self.wqkv = nn.Linear(args.dim, self.q_dim + 2 * self.kv_dim, bias=False)
-        self.wo = nn.Linear(self.q_dim, args.dim, bias=False)
+        self.wqkv = nn.Linear(args.dim, self.q_dim + 2 * self.kv_dim, bias=False, **factory)
+        self.wo = nn.Linear(self.q_dim, args.dim, bias=False, **factory)
 
     def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
         B, T, _ = x.shape
@@ -230,10 +246,10 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False, **factory)
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False, **factory)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -241,12 +257,12 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, **factory)
+        self.attention = Attention(args, **factory)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, **factory)
+        self.feed_forward = FeedForward(args, **factory)
 
     def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
         x = x + self.attention(self.attention_norm(x), freqs, cache, start)
@@ -262,20 +278,32 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """The model with its parameters allocated once, in `dtype` on `device` (torch's
+        defaults when None): RMSNorm weights are ones, the rest waits for weights to be loaded
+        or for `init_weights`."""
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        freqs = rope_table(args.max_positions, args.head_dim, args.rope_base)
+        factory = {"dtype": dtype, "device": device}
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, **factory)
+        self.layers = nn.ModuleList(Block(args, **factory) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps, **factory)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, **factory)
+        freqs = rope_table(args.max_positions, args.head_dim, args.rope_base).to(device)
         self.register_buffer("rope", freqs, persistent=False)
         self.caches: list[KVCache] | None = None
 
+    @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Seeded initialisation as in nanoGPT: normal(0, 0.02), residual projections scaled."""
-        gen = torch.Generator().manual_seed(seed)
+        """Seeded initialisation as in nanoGPT: normal(0, 0.02), residual projections scaled,
+        drawn in place on the parameters' own device and dtype (no copy of the model)."""
+        gen = torch.Generator(device=self.output.weight.device).manual_seed(seed)
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue
@@ -284,8 +312,7 @@ class Transformer(nn.Module):
                 if name.endswith(("wo.weight", "w2.weight"))
                 else 0.02
             )
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            p.normal_(0.0, std, generator=gen)
 
     def store_weights_transposed(self) -> None:
         """Keep every linear weight in memory as `(in_features, out_features)`, still seen as
@@ -301,9 +328,6 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear):
                 w = module.weight
                 module.weight = nn.Parameter(w.detach().t().contiguous().t(), w.requires_grad)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
     def setup_caches(self, batch: int, max_len: int) -> None:
         """Preallocate one KV cache per layer for `max_len` positions."""

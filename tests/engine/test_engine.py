@@ -5,10 +5,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtui.engines import EngineError, RunControl, open_engine, run_events
-from kvtui.gpu import engine as torch_engine
+from kvtui.engine import torch_engine
+from kvtui.engine.protocol import (
+    EngineError,
+    RunControl,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    StepSample,
+    run_events,
+)
+from kvtui.engine.spec import open_engine
 from kvtui.sim.memory import kv_bytes
-from kvtui.sim.steps import RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.sim.work import decode_step_flops, naive_step_positions, uncached_step_flops
 
 TINY = RunSettings(engine="tiny", device="cpu", tokens=24, seed=3)

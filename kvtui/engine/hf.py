@@ -4,12 +4,12 @@ The model, its config and its tokenizer are loaded from a directory on disk thro
 (the optional `hf` extra): offline only, without remote code, from safetensors weights only. The
 two loops are the lesson's, run through transformers' own forward pass:
 
-- `prefill` runs the prompt into a `StaticCache` preallocated for prompt + answer (as the tiny
-  engine's cache is), `decode_one_token` feeds one token at its cache position;
-- `recompute_all` runs the whole sequence with `use_cache=False`: the uncached staircase.
+- prefill runs the prompt into a `StaticCache` preallocated for prompt + answer (as the tiny
+  engine's cache is), and each later step feeds one token at its cache position (`HFCache`);
+- the uncached step runs the whole sequence with `use_cache=False`: the staircase.
 
-Both sample with kvtui.gpu.decode's `Sampler` (greedy, or seeded top-k with one draw per step), so
-with the same settings they emit the same ids. KV bytes are measured from the cache's own key and
+They are kvtui.engine.torch_engine's loops (greedy, or seeded top-k with one draw per step), so
+with the same settings the two emit the same ids. KV bytes are measured from the cache's own key and
 value tensors and match kvtui.sim's formula for the shape `model_from_hf_config` reads from the
 same config.json, the reader `kvtui budget --config` uses.
 """
@@ -19,8 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import os
-import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from os.path import commonprefix
@@ -30,21 +29,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kvtui.format import format_bytes
-from kvtui.gpu.decode import Sampler, Sampling, Step, recompute_loop, synchronize
-from kvtui.gpu.engine import (
+from kvtui.engine.protocol import EngineError, RunSettings
+from kvtui.engine.torch_engine import (
+    TorchEngine,
     available_bytes,
     default_dtype,
-    parameter_bytes,
+    dtype_name,
     pick_device,
-    sampling_of,
-    step_sample,
-    too_long,
-    torch_run_started,
 )
-from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config, normalize_dtype
+from kvtui.format import format_bytes
+from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config
 from kvtui.sim.memory import kv_bytes
-from kvtui.sim.steps import EngineError, Loop, RunFinished, RunSettings, RunStarted, StepSample
 
 NO_EXTRA = "--model needs the hf extra: pip install 'kvtui[hf]'"
 
@@ -158,7 +153,7 @@ def check_fits(
     """`EngineError`, before anything is allocated, when the weights (estimated from the config)
     and the KV cache for `context` tokens do not fit in free device memory or host RAM."""
     element = torch.empty((), dtype=dtype).element_size()
-    kv_dtype = normalize_dtype(str(dtype))
+    kv_dtype = dtype_name(dtype)
     need = spec.params * element + kv_bytes(spec, context, 1, kv_dtype)
     have, where = available_bytes(device)
     if need > have:
@@ -285,57 +280,24 @@ class ForwardArgs:
         return kwargs
 
 
-@torch.inference_mode()
-def prefill(model: torch.nn.Module, prompt: Tensor, cache: Any, fwd: ForwardArgs) -> Tensor:
-    """Run the prompt `(1, P)` into the cache; the last position's logits `(1, vocab)`."""
-    kwargs = fwd.with_cache(cache, 0, prompt.shape[1], prompt.device)
-    return model(prompt, **kwargs).logits[:, -1]
+@dataclass
+class HFCache:
+    """A transformers model with its own cache, as the cached loop's `CachedModel`."""
 
+    model: torch.nn.Module
+    cache: Any
+    fwd: ForwardArgs
 
-@torch.inference_mode()
-def decode_one_token(
-    model: torch.nn.Module, token: Tensor, position: int, cache: Any, fwd: ForwardArgs
-) -> Tensor:
-    """Feed one token `(1, 1)` at `position`, computing only its keys and values."""
-    kwargs = fwd.with_cache(cache, position, 1, token.device)
-    return model(token, **kwargs).logits[:, -1]
+    def prefill(self, prompt: Tensor) -> Tensor:
+        kwargs = self.fwd.with_cache(self.cache, 0, prompt.shape[1], prompt.device)
+        return self.model(prompt, **kwargs).logits[:, -1]
 
+    def decode_one_token(self, token: Tensor, position: int) -> Tensor:
+        kwargs = self.fwd.with_cache(self.cache, position, 1, token.device)
+        return self.model(token, **kwargs).logits[:, -1]
 
-@torch.inference_mode()
-def recompute_all(model: torch.nn.Module, ids: Tensor, fwd: ForwardArgs) -> Tensor:
-    """Run the whole sequence `(1, T)` with no cache: keys and values for all T positions again."""
-    return model(ids, use_cache=False, **fwd.extra).logits[:, -1]
-
-
-def cached_loop(
-    model: torch.nn.Module, cache: Any, prompt: Tensor, n_tokens: int, sampling: Sampling
-) -> Generator[Step, None, None]:
-    """Prefill, then one new position per step, through a cache sized for prompt + n_tokens."""
-    device = prompt.device
-    P = prompt.shape[1]
-    sample = Sampler(sampling, device)
-    fwd = ForwardArgs.of(model)
-    token = None
-    for i in range(n_tokens):
-        synchronize(device)
-        t0 = time.perf_counter()
-        if i == 0:
-            logits, computed = prefill(model, prompt, cache, fwd), P
-        else:
-            logits, computed = decode_one_token(model, token, P + i - 1, cache, fwd), 1
-        token = sample(logits)
-        token_id = int(token.item())
-        synchronize(device)
-        seconds = time.perf_counter() - t0
-        yield Step(i, P + i, token_id, computed, seconds, cache_bytes(cache, P + i))
-
-
-def uncached_loop(
-    model: torch.nn.Module, prompt: Tensor, n_tokens: int, sampling: Sampling
-) -> Iterator[Step]:
-    """Every step runs the whole sequence so far: keys and values for every position, again."""
-    fwd = ForwardArgs.of(model)
-    return recompute_loop(lambda ids: recompute_all(model, ids, fwd), prompt, n_tokens, sampling)
+    def kv_bytes_filled(self, positions: int) -> int:
+        return cache_bytes(self.cache, positions)
 
 
 class TextStream:
@@ -366,86 +328,52 @@ class TextStream:
 # --- the engine ----------------------------------------------------------------------------------
 
 
-@dataclass
-class HFEngine:
-    settings: RunSettings
-    transformers: Any
-    model: torch.nn.Module
-    tokenizer: Any
-    spec: ModelSpec
-    device: torch.device
-    label: str
-    prompt: list[int]
-    _cache: Any = None
+class HFEngine(TorchEngine):
+    """A local transformers model: the same loops, through transformers' forward and its
+    `StaticCache`."""
 
-    @property
-    def dtype_name(self) -> str:
-        return normalize_dtype(str(next(self.model.parameters()).dtype))
+    def __init__(
+        self,
+        settings: RunSettings,
+        transformers: Any,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        spec: ModelSpec,
+        device: torch.device,
+        label: str,
+        prompt: list[int],
+    ) -> None:
+        self.settings, self.transformers, self.model = settings, transformers, model
+        self.tokenizer, self.spec, self.device, self.label = tokenizer, spec, device, label
+        self.prompt = prompt
+        self.max_positions = spec.max_context
+        self.fwd = ForwardArgs.of(model)
+        self._cache: Any = None
 
-    def started(self) -> RunStarted:
-        return torch_run_started(
-            self.settings,
-            self.label,
-            self.spec,
-            self.device,
-            self.dtype_name,
-            weights_bytes=parameter_bytes(self.model),
-            prompt_tokens=len(self.prompt),
-            max_positions=self.spec.max_context,
-        )
+    def prompt_ids(self) -> Tensor:
+        return torch.tensor([self.prompt], dtype=torch.long, device=self.device)
 
-    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
-        s = self.settings
-        prompt = torch.tensor([self.prompt], dtype=torch.long, device=self.device)
-        P = prompt.shape[1]
-        if refused := too_long(loop, P + s.tokens, self.spec.max_context):
-            yield refused
-            return
-        sampling = sampling_of(s)
-        text = TextStream(self.tokenizer, self.prompt)
-        allocated, done, out_of_memory = None, 0, False
-        cache: Any = None
-        run: Generator[Step, None, None] | None = None
-        try:
-            if loop == "cached":
-                cache = self._cache = new_cache(self.transformers, self.model, P + s.tokens)
-                run = cached_loop(self.model, cache, prompt, s.tokens, sampling)
-            else:
-                run = uncached_loop(self.model, prompt, s.tokens, sampling)
-            for step in run:
-                if loop == "cached":
-                    allocated = cache_bytes(cache)
-                done += 1
-                text_piece = text.push(step.token_id)
-                yield step_sample(self.spec, loop, step, self.dtype_name, text_piece, self.device)
-        except torch.OutOfMemoryError:
-            out_of_memory = True  # reported below, once the traceback no longer pins tensors
-        finally:
-            if run is not None:
-                run.close()  # a stopped run's loop lets go of its cache too
-            run = cache = None
-            if loop == "cached":
-                self._cache = None
-            _free(self.device)
-        if out_of_memory:
-            yield RunFinished(loop, "out_of_memory", done, f"out of memory at {P + done:,} tokens")
-            return
-        yield RunFinished(loop, "done", done, kv_bytes_allocated=allocated)
+    def cached(self, max_len: int) -> HFCache:
+        self._cache = new_cache(self.transformers, self.model, max_len)
+        return HFCache(self.model, self._cache, self.fwd)
 
-    def close(self) -> None:
+    def recompute(self, ids: Tensor) -> Tensor:
+        return self.model(ids, use_cache=False, **self.fwd.extra).logits[:, -1]
+
+    def text_stream(self) -> Callable[[int], str]:
+        return TextStream(self.tokenizer, self.prompt).push
+
+    def kv_bytes_allocated(self) -> int:
+        return cache_bytes(self._cache) if self._cache is not None else 0
+
+    def free_cache(self) -> None:
         self._cache = None
         _free(self.device)
 
 
-def open_hf_engine(settings: RunSettings) -> HFEngine:
-    """The model in the directory `hf:DIR` names, loaded offline; `EngineError` for a directory
-    kvtui cannot run, before anything is allocated when that can be known."""
-    arg = settings.engine.partition(":")[2].strip()
-    if not arg:
-        raise EngineError("--model needs a directory (hf:DIR)")
-    directory = Path(arg).expanduser()
-    if settings.tokens < 1:
-        raise EngineError("tokens must be at least 1")
+def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
+    """The model in `directory`, loaded offline; `EngineError` for a directory kvtui cannot run,
+    before anything is allocated when that can be known."""
     config = _read_config(directory)
     transformers = _import_transformers()
     check_architecture(transformers, directory, config)

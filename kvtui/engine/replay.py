@@ -1,7 +1,7 @@
 """Recording a run to JSON lines, and replaying it as an engine, without torch or a UI.
 
 A record is one header line (`{"kind": "header", "format": "kvtui-record", "version": 1, ...}`
-with the settings, device and model), then every event of the run as `kvtui.sim.steps.to_json`
+with the settings, device and model), then every event of the run as `kvtui.engine.protocol.to_json`
 writes it. `kvtui bench --record FILE` writes one on a GPU box over SSH; `--engine replay:FILE`
 plays it back on a laptop at the recorded pace (each step takes its measured `step_seconds`,
 divided by `replay_speed`; 0 plays as fast as it can).
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
-from kvtui.sim.steps import (
+from kvtui.engine.protocol import (
     EngineError,
     Event,
     Loop,
@@ -93,10 +93,8 @@ class ReplayEngine:
     events: list[Event] = field(default_factory=list)
 
     @classmethod
-    def open(cls, path: str, settings: RunSettings) -> ReplayEngine:
-        if not path:
-            raise EngineError("replay: needs a file, e.g. replay:runs/h100.jsonl")
-        header, events = read_record(Path(path).expanduser())
+    def open(cls, path: Path, settings: RunSettings) -> ReplayEngine:
+        header, events = read_record(path)
         recorded = RunSettings.from_json(header.get("settings", {}))
         # What ran is what was recorded; only the pace is the caller's.
         merged = replace(recorded, engine=settings.engine, replay_speed=settings.replay_speed)

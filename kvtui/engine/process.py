@@ -2,7 +2,7 @@
 
 A torch decode thread and a Textual UI in one process fight for the GIL: in a trial on a 2-core
 machine decode fell from ~330 to ~157 tokens/s and the 99th-percentile step rose to 65 ms
-(shared/TRIALS.md). So the engine runs as `python -m kvtui.worker`: the parent writes the
+(shared/TRIALS.md). So the engine runs as `python -m kvtui.engine.process`: the parent writes the
 `RunSettings` as one JSON line on the child's stdin, then `pause`, `resume` or `stop` lines; the
 child writes each event as one JSON line on its stdout. A CUDA failure stays in the child.
 (`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
@@ -20,7 +20,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 
-from kvtui.sim.steps import (
+from kvtui.engine.protocol import (
     EngineError,
     Event,
     RunFailed,
@@ -42,7 +42,7 @@ class EngineProcess:
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtui.worker"],
+            [sys.executable, "-m", "kvtui.engine.process"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -145,7 +145,8 @@ def _read_commands(control) -> None:
 
 
 def child_main() -> int:
-    from kvtui.engines import RunControl, open_engine, run_events
+    from kvtui.engine.protocol import RunControl, run_events
+    from kvtui.engine.spec import open_engine
 
     out = sys.stdout
     sys.stdout = sys.stderr  # anything a library prints must not corrupt the event stream

@@ -12,10 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvtui.engines import open_engine, run_events
+from kvtui.engine.protocol import (
+    Event,
+    RunFailed,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    StepSample,
+    run_events,
+)
+from kvtui.engine.replay import RecordWriter
+from kvtui.engine.spec import open_engine
 from kvtui.format import format_bandwidth, format_bytes, format_int, format_ratio
-from kvtui.replay import RecordWriter
-from kvtui.sim.steps import Event, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
 
 
 @dataclass

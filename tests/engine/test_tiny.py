@@ -8,12 +8,12 @@ import zipfile
 import pytest
 import torch
 
-from kvtui.gpu.engine import TINY_ARGS, TINY_WEIGHTS, load_tiny
-from kvtui.gpu.model import Transformer
-from kvtui.gpu.train import TrainConfig, encode, evaluate, train
+from kvtui.decoder import Transformer
+from kvtui.engine.roofline import PASSAGE
+from kvtui.engine.torch_engine import TINY_ARGS, TINY_WEIGHTS, load_tiny
 from kvtui.paths import asset_path
 from kvtui.sim.catalog import get_model
-from kvtui.sim.engine import PASSAGE
+from kvtui.training.train import TrainConfig, encode, evaluate, train
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,8 @@ def test_shape_and_parameter_count(tiny):
     assert (a.n_layer, a.n_head, a.n_kv_head, a.head_dim, a.vocab_size) == (6, 8, 2, 32, 256)
     assert a.n_kv_head < a.n_head  # grouped-query attention
     assert a == TINY_ARGS
-    assert model.num_params() == int(meta["params"]) == get_model("tiny-austen").params
+    count = sum(p.numel() for p in model.parameters())
+    assert count == a.params == int(meta["params"]) == get_model("tiny-austen").params
     spec = get_model("tiny-austen")
     assert (spec.layers, spec.heads, spec.kv_heads, spec.head_dim) == (6, 8, 2, 32)
 
@@ -107,7 +108,7 @@ def test_a_seeded_sample_is_reproducible_across_runs():
 def test_a_short_training_run_lowers_the_loss():
     from dataclasses import replace
 
-    from kvtui.gpu.model import ModelArgs
+    from kvtui.decoder import ModelArgs
 
     text = encode(PASSAGE * 20)
     args = ModelArgs(
@@ -130,7 +131,7 @@ def test_a_short_training_run_lowers_the_loss():
 
 
 def test_training_resumes_where_it_stopped(tmp_path):
-    from kvtui.gpu.model import ModelArgs
+    from kvtui.decoder import ModelArgs
 
     text = encode(PASSAGE * 10)
     args = ModelArgs(
@@ -186,7 +187,8 @@ def test_assets_are_found_from_an_installed_wheel(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (
-        "import torch; from kvtui.paths import asset_path; from kvtui.gpu.engine import load_tiny;"
+        "import torch; from kvtui.paths import asset_path;"
+        "from kvtui.engine.torch_engine import load_tiny;"
         "from kvtui.sim.catalog import get_model;"
         "m, meta = load_tiny(torch.device('cpu'), torch.float32);"
         "print(asset_path('tiny-austen.safetensors'), meta['name'], get_model('gpt2').layers)"

@@ -17,7 +17,7 @@ tokenizers = pytest.importorskip("tokenizers")
 torch = pytest.importorskip("torch")
 
 from kvtui.cli import main  # noqa: E402
-from kvtui.gpu.hf import NO_EXTRA, TextStream  # noqa: E402
+from kvtui.engine.hf import NO_EXTRA, TextStream  # noqa: E402
 
 SENTENCES = [
     "It is a truth universally acknowledged, that a single man in possession of a good fortune,",
@@ -176,8 +176,8 @@ def test_budget_reads_the_same_config_as_the_engine(saved, capsys):
 
 
 def test_steps_carry_the_engine_protocol_fields(saved):
-    from kvtui.engines import open_engine, run_events
-    from kvtui.sim.steps import RunFinished, RunSettings, RunStarted, StepSample
+    from kvtui.engine.protocol import RunFinished, RunSettings, RunStarted, StepSample, run_events
+    from kvtui.engine.spec import open_engine
 
     directory, _, _ = saved
     settings = RunSettings(engine=f"hf:{directory}", device="cpu", tokens=4, greedy=True)
@@ -301,8 +301,8 @@ def test_a_cancelled_run_lets_go_of_its_cache(saved):
     import gc
     import weakref
 
-    from kvtui.engines import open_engine
-    from kvtui.sim.steps import RunSettings
+    from kvtui.engine.protocol import RunSettings
+    from kvtui.engine.spec import open_engine
 
     directory, _, _ = saved
     engine = open_engine(RunSettings(engine=f"hf:{directory}", device="cpu", tokens=8))

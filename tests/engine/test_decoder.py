@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtui.gpu import model as model_module
-from kvtui.gpu.model import KVCache, ModelArgs, Transformer, matvec
+from kvtui import decoder as model_module
+from kvtui.decoder import KVCache, ModelArgs, Transformer, matvec
 from kvtui.sim.memory import kv_bytes
 
 from .conftest import SMALL
@@ -12,13 +12,20 @@ from .conftest import SMALL
 def test_kv_cache_bytes_equal_the_formula():
     model = Transformer(SMALL)
     model.setup_caches(batch=1, max_len=300)
-    from kvtui.gpu.engine import spec_from_args
+    from kvtui.engine.torch_engine import spec_from_args
 
-    spec = spec_from_args("small", SMALL, model.num_params())
+    spec = spec_from_args("small", SMALL)
     assert model.kv_bytes_allocated == kv_bytes(spec, 300, 1, "fp32")
     assert (
         model.kv_bytes_allocated == 300 * 2 * SMALL.n_layer * SMALL.n_kv_head * SMALL.head_dim * 4
     )
+
+
+def test_the_parameter_count_of_a_shape_is_the_count_of_its_tensors():
+    """`ModelArgs.params` is kvtui.sim's counter; the model's own tensors must agree with it."""
+    for args in (SMALL, ModelArgs(), ModelArgs(n_layer=3, dim=96, n_head=6, n_kv_head=3)):
+        model = Transformer(args, device="meta")
+        assert sum(p.numel() for p in model.parameters()) == args.params
 
 
 def test_kv_cache_update_writes_at_positions_and_counts_length():

@@ -10,11 +10,21 @@ from dataclasses import replace
 
 import pytest
 
-from kvtui.engines import EngineError, RunControl, open_engine, run_events
-from kvtui.replay import read_record, write_record
+from kvtui.engine.process import EngineProcess
+from kvtui.engine.protocol import (
+    EngineError,
+    RunControl,
+    RunFailed,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    StepSample,
+    run_events,
+)
+from kvtui.engine.replay import read_record, write_record
+from kvtui.engine.spec import open_engine
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, weights_bytes
-from kvtui.sim.steps import RunFailed, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.sim.work import (
     cached_step_positions,
     decode_step_bytes,
@@ -24,7 +34,6 @@ from kvtui.sim.work import (
     uncached_step_bytes,
     uncached_step_flops,
 )
-from kvtui.worker import EngineProcess
 
 SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=40, replay_speed=0)
 
@@ -150,8 +159,8 @@ def test_pause_holds_the_run_between_steps():
 def test_engine_process_streams_a_sim_run_without_torch_in_the_parent():
     code = (
         "import sys\n"
-        "from kvtui.worker import EngineProcess\n"
-        "from kvtui.sim.steps import RunSettings\n"
+        "from kvtui.engine.process import EngineProcess\n"
+        "from kvtui.engine.protocol import RunSettings\n"
         "s = RunSettings(engine='sim:llama-3.1-8b@h100', tokens=10, replay_speed=0)\n"
         "p = EngineProcess(s)\n"
         "p.start(); events = list(p.events()); p.close()\n"
@@ -217,7 +226,7 @@ def test_engine_process_pause_and_resume():
 
 def test_child_rejects_bad_settings():
     out = subprocess.run(
-        [sys.executable, "-m", "kvtui.worker"],
+        [sys.executable, "-m", "kvtui.engine.process"],
         input="not json\n",
         capture_output=True,
         text=True,

@@ -13,10 +13,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from kvtui.engine.protocol import (
+    EngineError,
+    Loop,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    StepSample,
+)
 from kvtui.format import format_bytes
 from kvtui.sim.catalog import GPUSpec, ModelSpec, UnknownNameError, get_gpu, get_model
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, kv_bytes_per_token, weights_bytes
-from kvtui.sim.steps import EngineError, Loop, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.sim.work import (
     decode_step_bytes,
     decode_step_flops,
@@ -44,10 +51,9 @@ class SimEngine:
     kv_dtype: str = "bf16"
 
     @classmethod
-    def from_settings(cls, settings: RunSettings) -> SimEngine:
-        model_name, at, gpu_name = settings.engine.partition(":")[2].partition("@")
-        if not at or not model_name or not gpu_name:
-            raise EngineError("sim: needs MODEL@GPU, e.g. sim:llama-3.1-8b@h100")
+    def open(cls, settings: RunSettings, model_name: str, gpu_name: str) -> SimEngine:
+        """The roofline engine for a catalog model on a catalog GPU; `EngineError` when either
+        is unknown or the weights do not fit."""
         try:
             engine = cls(settings, get_model(model_name), get_gpu(gpu_name))
         except UnknownNameError as exc:

@@ -1,16 +1,30 @@
-"""The engine protocol: plain, picklable records that every decode engine emits, without a UI.
+"""The engine protocol: what a decode engine is, the records it emits, and the loop that drives
+it. No UI, no torch.
 
-An engine (the torch `tiny` model, a `shape:` model, the roofline `sim:` engine, a `replay:` file)
-turns `RunSettings` into a stream of events: one `RunStarted`, then `StepSample`s of one or both
-loops, then one `RunFinished` per loop. Screens and `kvtui bench` only ever see these records, so
-they never care which engine produced them. Each record round-trips through a JSON dict
-(`to_json` / `event_from_json`) so that it can cross a pipe from the engine's own process.
+A `StepSource` (the torch `tiny` model, a `shape:` or `hf:` model, the roofline `sim:` engine, a
+`replay:` file) turns `RunSettings` into a stream of events, and `run_events` drives any of them:
+one `RunStarted`, then `StepSample`s of one or both loops, then one `RunFinished` per loop.
+Screens and `kvtui bench` only ever see these records, so they never care which engine produced
+them. Each record round-trips through a JSON dict (`to_json` / `event_from_json`) so that it can
+cross a pipe from the engine's own process.
+
+The counting rule, the one every engine, formula and test in kvtui uses: the step that emits token
+t (1-based) after a P-token prompt computes
+
+- without a cache: P + t - 1 positions (the whole sequence so far, again);
+- with a cache: P on the first step (the prefill) and 1 on every later step.
+
+With a one-token prompt this is the lesson exactly: 24 tokens cost 300 positions without a cache
+and 24 with it (276 wasted); 4,096 tokens cost 8,390,656 against 4,096. kvtui.sim.work computes
+the same counts in closed form.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 Loop = Literal["cached", "uncached"]
 LOOPS: tuple[Loop, ...] = ("uncached", "cached")
@@ -38,7 +52,7 @@ class RunSettings:
     temperature: float = 0.8
     top_k: int = 40
     loops: tuple[Loop, ...] = LOOPS
-    """Which loops to run; with both, they advance in lockstep (one step of each in turn)."""
+    """Which loops to run."""
     threads: int = 1
     """torch intra-op threads in the engine's process (1 beside a busy UI: see TRIALS.md)."""
     replay_speed: float = 1.0
@@ -93,8 +107,8 @@ class StepSample:
     text: str
     """The text this token completes (UTF-8 safe: may be empty mid-character)."""
     positions_computed: int
-    """Keys and values computed this step: 1 cached (prompt_tokens + 1 on the first), all so far
-    uncached."""
+    """Positions whose keys and values this step computed: with a cache, prompt_tokens on the
+    first step (the prefill) and 1 after; without, every position so far (position itself)."""
     flops: int
     bytes_read: int
     step_seconds: float
@@ -152,3 +166,83 @@ def event_from_json(data: dict[str, Any]) -> Event:
         return cls(**{k: v for k, v in data.items() if k in init})
     except TypeError as exc:
         raise ValueError(f"malformed {data['kind']} event: {exc}") from exc
+
+
+# --- engines and the loop that drives them ----------------------------------------------------
+
+
+class StepSource(Protocol):
+    """A decode engine: what it runs, then the steps of each loop."""
+
+    def started(self) -> RunStarted:
+        """What runs, and where; sent before the first step."""
+        ...
+
+    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
+        """The steps of one loop; may end with its own `RunFinished` (out of memory, say)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RunControl:
+    """Pause and stop, set from another thread, honoured between steps."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._running.set()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def wait_while_paused(self) -> None:
+        self._running.wait()
+
+
+def run_events(
+    engine: StepSource,
+    settings: RunSettings,
+    control: RunControl | None = None,
+    *,
+    lockstep: bool = True,
+) -> Iterator[Event]:
+    """Every event of a run: started, steps, one finished per loop.
+
+    In `lockstep` the loops take one step each in turn (so a screen can compare the streams as
+    they grow); otherwise each loop runs to its end before the next starts (cleaner timings).
+    """
+    control = control or RunControl()
+    yield engine.started()
+    iterators = {loop: engine.steps(loop) for loop in settings.loops}
+    counts = dict.fromkeys(iterators, 0)
+    try:
+        while iterators:
+            for loop in list(iterators) if lockstep else list(iterators)[:1]:
+                control.wait_while_paused()
+                if control.stopped:
+                    for left in list(iterators):
+                        iterators.pop(left).close()
+                        yield RunFinished(left, "cancelled", counts[left], "stopped")
+                    return
+                event = next(iterators[loop], None)
+                if isinstance(event, StepSample):
+                    counts[loop] += 1
+                    yield event
+                    continue
+                iterators.pop(loop).close()
+                yield event if event is not None else RunFinished(loop, "done", counts[loop])
+    finally:
+        for iterator in iterators.values():
+            iterator.close()

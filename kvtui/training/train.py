@@ -3,7 +3,13 @@
 Deterministic (batches are drawn from a generator seeded by (seed, step), so a resumed run sees the
 same batches as an unbroken one), resumable (model and optimizer state in safetensors, never
 pickle) and logged (step, elapsed time, train and validation loss in nats per byte).
-`scripts/train_tiny.py` is the command line; the tests call `train()` on a tiny slice.
+
+A run may start from trained weights (`init_from`) and follow a window schedule (`windows`: from
+step S on, batches of B windows of T bytes), which is how the shipped model learned long context:
+first 512-byte windows, then continued on windows up to 4,096 bytes. Validation is also reported
+by position bucket (`evaluate_by_position`), since a model that is good on average can still fail
+late in a long window. `scripts/train_tiny.py` is the command line; the tests call `train()` on a
+tiny slice.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kvtui.gpu.model import ModelArgs, Transformer
+from kvtui.decoder import ModelArgs, Transformer
+
+POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 3072), (3072, 4096))
+"""Position ranges (start inclusive, end exclusive) over which validation loss is reported."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,9 @@ class TrainConfig:
     seed: int = 1337
     batch_size: int = 8
     context: int = 512
+    """Window length and batch before any `windows` phase, and the validation window."""
+    windows: tuple[tuple[int, int, int], ...] = ()
+    """The window schedule: `(from_step, context, batch_size)` phases in step order."""
     max_steps: int = 2400
     lr: float = 2e-3
     min_lr: float = 2e-4
@@ -52,11 +64,26 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
+def window_at(step: int, cfg: TrainConfig) -> tuple[int, int]:
+    """`(context, batch_size)` of the batch at `step`, from the window schedule."""
+    context, batch = cfg.context, cfg.batch_size
+    for from_step, phase_context, phase_batch in cfg.windows:
+        if step >= from_step:
+            context, batch = phase_context, phase_batch
+    return context, batch
+
+
+def bytes_seen(cfg: TrainConfig, steps: int) -> int:
+    """Bytes of training windows in the first `steps` steps."""
+    return sum(math.prod(window_at(step, cfg)) for step in range(steps))
+
+
 def get_batch(data: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows of `context + 1` bytes, the same for a given (seed, step)."""
+    context, batch = window_at(step, cfg)
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - cfg.context - 1, (cfg.batch_size,), generator=gen)
-    windows = torch.stack([data[s : s + cfg.context + 1] for s in starts.tolist()]).long()
+    starts = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
+    windows = torch.stack([data[s : s + context + 1] for s in starts.tolist()]).long()
     return windows[:, :-1], windows[:, 1:]
 
 
@@ -81,6 +108,37 @@ def evaluate(
         count += context
     model.train()
     return total / count
+
+
+@torch.no_grad()
+def evaluate_by_position(
+    model: Transformer,
+    data: torch.Tensor,
+    context: int,
+    max_windows: int | None,
+    buckets: tuple[tuple[int, int], ...] = POSITION_BUCKETS,
+) -> tuple[float, dict[str, float]]:
+    """Mean loss in nats per byte over non-overlapping windows of `context` bytes (all of them,
+    or `max_windows` evenly spread): over every position, and at each bucket of positions, keyed
+    `"START-END"` (END inclusive, as people write ranges; buckets are cut at `context`)."""
+    model.eval()
+    n_windows = (len(data) - 1) // context
+    indices = range(n_windows)
+    if max_windows is not None and n_windows > max_windows:
+        indices = [round(i * (n_windows - 1) / (max_windows - 1)) for i in range(max_windows)]
+    per_position = torch.zeros(context, dtype=torch.float64)
+    for i in indices:
+        window = data[i * context : i * context + context + 1].long()[None]
+        logits = model(window[:, :-1])
+        per_position += F.cross_entropy(logits[0], window[0, 1:], reduction="none").double()
+    per_position /= len(indices)
+    model.train()
+    by_bucket = {
+        f"{start}-{min(end, context) - 1}": per_position[start : min(end, context)].mean().item()
+        for start, end in buckets
+        if start < context
+    }
+    return per_position.mean().item(), by_bucket
 
 
 def _optimizer(model: Transformer, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -127,15 +185,20 @@ def train(
     val_data: torch.Tensor,
     *,
     checkpoint: Path | None = None,
+    init_from: Path | None = None,
     log: Callable[[dict], None] = lambda record: None,
     stop_after_steps: int | None = None,
 ) -> tuple[Transformer, dict]:
     """Train (or resume from `checkpoint`) until `cfg.max_steps`; return the model and its state
-    (`step`, `train_seconds`, `val_loss` and the log of evaluations)."""
+    (`step`, `train_seconds`, `val_loss` and the log of evaluations). A new run starts from the
+    weights in `init_from` (safetensors, any float dtype) when given, else from a seeded init."""
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     model = Transformer(args)
     model.init_weights(cfg.seed)
+    if init_from is not None:
+        weights = load_file(init_from)
+        model.load_state_dict({k: v.float() for k, v in weights.items()})
     opt = _optimizer(model, cfg)
     state = {"step": 0, "train_seconds": 0.0, "val_loss": None, "history": []}
     if checkpoint is not None and checkpoint.exists():
@@ -163,8 +226,11 @@ def train(
             "train_loss": round(loss.item(), 4),
         }
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.max_steps:
-            state["val_loss"] = evaluate(model, val_data, cfg.context, cfg.eval_windows)
+            context = max(window_at(step, cfg)[0], cfg.context)
+            loss_all, buckets = evaluate_by_position(model, val_data, context, cfg.eval_windows)
+            state["val_loss"] = loss_all
             record["val_loss"] = round(state["val_loss"], 4)
+            record["val_loss_by_position"] = {k: round(v, 4) for k, v in buckets.items()}
             state["history"].append(record)
         log(record)
         if checkpoint is not None and (
