@@ -1,10 +1,14 @@
 """The kvtui App: three lesson screens as modes, app-wide keys, and the engine's reader worker.
 
-The decode engine runs in a process of its own (`kvtui.engine.process.EngineProcess`), so the UI process
-never imports torch and a busy UI cannot slow the steps it measures. A thread worker reads the
-engine's events and posts them back in batches, at most ~20 times a second; the app folds them into
-one `LiveRun` that every screen was given, and each screen redraws from it on its own throttled
-timer.
+The decode engine runs in a process of its own (`kvtui.engine.process.EngineProcess`), so the UI
+process never imports torch and a busy UI cannot slow the steps it measures. A thread worker reads
+the engine's events and posts them back in batches, at most ~20 times a second; the app folds them
+into one `LiveRun` that every screen was given, and each screen redraws from it on its own
+throttled timer.
+
+State that two screens share has one owner, the App: the answer length (`length`) and whether the
+cache is on (`cache_on`) are App reactives that screens 1 and 2 follow with `data_bind`; their
+keys call the App's actions that change them.
 """
 
 from __future__ import annotations
@@ -22,15 +26,16 @@ from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.message import Message
+from textual.reactive import reactive
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings
-from kvtui.screens.base import MAX_LENGTH, WorkScreen
+from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import LiveRun
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.recompute import RecomputeScreen
-from kvtui.sim.catalog import gpu_names, model_names
+from kvtui.sim.catalog import model_names
 
 MODES = ("recompute", "cache", "memory")
 """The lesson's screens, in order: keys 1, 2 and 3."""
@@ -81,7 +86,7 @@ _END = object()
 
 
 class EngineCommands(Provider):
-    """Command palette entries: restart with another engine; pick screen 3's model or GPU."""
+    """Command palette entries: restart with another engine."""
 
     def _commands(self) -> list[tuple[str, Callable[[], None], str]]:
         app = self.app
@@ -105,19 +110,11 @@ class EngineCommands(Provider):
                     "the model's real shape, random weights",
                 )
             )
-        for name in model_names():
-            commands.append(
-                (f"Model: {name}", partial(app.choose_budget, model=name), "screen 3's budget")
-            )
-        for name in gpu_names():
-            commands.append(
-                (f"GPU: {name}", partial(app.choose_budget, gpu=name), "screen 3's budget")
-            )
         return commands
 
     async def discover(self) -> Hits:
         for text, command, help_text in self._commands():
-            if text.startswith(("Engine: tiny", "Engine: sim:llama-3.1-8b", "Model:", "GPU:")):
+            if text.startswith(("Engine: tiny", "Engine: sim:llama-3.1-8b")):
                 yield DiscoveryHit(text, command, help=help_text)
 
     async def search(self, query: str) -> Hits:
@@ -137,6 +134,11 @@ class KVApp(App[int]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (140, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
     """Size classes on every screen, for the stylesheet: 80x24 is -narrow -short."""
+
+    length: reactive[int] = reactive(24, init=False)
+    """The answer length screens 1 and 2 show, and `r` runs."""
+    cache_on: reactive[bool] = reactive(True, init=False)
+    """Whether screen 2 shows the cached loop beside the uncached one."""
 
     BINDINGS = [
         Binding("1", "screen(1)", "Screens", key_display="1 2 3"),
@@ -174,16 +176,17 @@ class KVApp(App[int]):
         self.live = LiveRun(config.settings)
         self.engine: EngineHandle | None = None
         self._run_id = 0
-        self._lesson = {
-            "recompute": RecomputeScreen(self.live, config.length),
-            "cache": CacheScreen(self.live, config.length),
-            "memory": MemoryScreen(self.live),
-        }
+        self.set_reactive(KVApp.length, self.validate_length(config.length))
 
     # --- startup and screens -----------------------------------------------------------------
 
     def on_mount(self) -> None:
-        for mode, screen in self._lesson.items():
+        screens = {
+            "recompute": RecomputeScreen(self.live).data_bind(KVApp.length),
+            "cache": CacheScreen(self.live).data_bind(KVApp.length, KVApp.cache_on),
+            "memory": MemoryScreen(self.live),
+        }
+        for mode, screen in screens.items():
             self.install_screen(screen, mode)
             self.add_mode(mode, mode)
         if self.config.probe is not None:
@@ -194,10 +197,6 @@ class KVApp(App[int]):
         if self.config.autostart:
             self.start_run()
 
-    def screen_of(self, mode: str) -> Any:
-        """The lesson screen of a mode (`recompute`, `cache`, `memory`)."""
-        return self._lesson[mode]
-
     def action_screen(self, number: int) -> None:
         self.switch_mode(MODES[number - 1])
 
@@ -206,19 +205,30 @@ class KVApp(App[int]):
 
         self.push_screen(HelpScreen(self.live.device_description))
 
+    # --- the answer length and the cache toggle (screens 1 and 2 follow them) -----------------
+
+    def validate_length(self, length: int) -> int:
+        return max(MIN_LENGTH, min(MAX_LENGTH, int(length)))
+
+    def action_longer(self) -> None:
+        self.length += length_step(self.length)
+
+    def action_shorter(self) -> None:
+        self.length -= length_step(self.length - 1)
+
+    def action_double(self) -> None:
+        self.length *= 2
+
+    def action_halve(self) -> None:
+        self.length //= 2
+
     def action_cache_on(self) -> None:
         """`c` on screen 1: turn the cache on, which is screen 2."""
-        self._lesson["cache"].cache_on = True
+        self.cache_on = True
         self.switch_mode("cache")
 
-    def on_work_screen_length_chosen(self, message: WorkScreen.LengthChosen) -> None:
-        for mode in ("recompute", "cache"):
-            self._lesson[mode].length = message.length
-
-    def choose_budget(self, *, model: str | None = None, gpu: str | None = None) -> None:
-        """Set screen 3's model or GPU, and show it."""
-        self._lesson["memory"].choose(model=model, gpu=gpu)
-        self.switch_mode("memory")
+    def action_toggle_cache(self) -> None:
+        self.cache_on = not self.cache_on
 
     # --- the device probe --------------------------------------------------------------------
 
@@ -240,8 +250,6 @@ class KVApp(App[int]):
         self.live.reset(settings or self.live.settings)
         self.engine = self._engine_factory(self.live.settings)
         self._read_engine(self.engine, self._run_id)
-        if isinstance(self.screen, WorkScreen):
-            self.screen.show_run_note()  # the new run's length, now rather than at the next tick
 
     def restart_with(self, engine: str) -> None:
         self.start_run(replace(self.live.settings, engine=engine))
@@ -250,7 +258,7 @@ class KVApp(App[int]):
     def action_restart(self) -> None:
         """Restart the run; long enough for the chosen answer length (up to MAX_LENGTH)."""
         settings, started = self.live.settings, self.live.started
-        wanted = min(MAX_LENGTH, self._lesson["recompute"].length)
+        wanted = self.length
         if started is not None and started.max_positions is not None:
             wanted = min(wanted, started.max_positions - started.prompt_tokens)
         if wanted > settings.tokens:

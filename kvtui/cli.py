@@ -82,17 +82,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse type: an integer of at least 0."""
-    try:
-        value = int(str(text).replace(",", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, not {text!r}")
-    return value
-
-
 def dtype_arg(text: str) -> str:
     """An argparse type: a storage format (fp32, bf16, fp16, fp8, int4 or a torch spelling)."""
     try:
@@ -299,10 +288,10 @@ def _add_work(subparsers: Any) -> None:
     p.add_argument(
         "--prompt",
         dest="prompt_tokens",
-        type=non_negative_int,
-        default=0,
+        type=positive_int,
+        default=1,
         metavar="P",
-        help="prompt tokens before them (default 0, as in the lesson)",
+        help="prompt tokens before them (default 1: the lesson's figures)",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_work)

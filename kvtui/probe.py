@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
+from kvtui.format import format_bytes
+
 _NVML_LIBRARY = "nvml.dll" if sys.platform.startswith("win") else "libnvidia-ml.so.1"
 
 # NVML error codes (nvml.h) and what they mean to someone looking at the header of a TUI. Looked
@@ -92,6 +94,10 @@ class DeviceProbe(Protocol):
 
     def read(self) -> DeviceMemory: ...
 
+    def label(self) -> str:
+        """The device in a few words for a narrow header: "NVIDIA H100 80GB HBM3", "CPU, no GPU"."""
+        ...
+
     def describe(self) -> str:
         """One line for a header: "NVIDIA H100 80GB HBM3 · 79.6 GiB" or "CPU, no GPU: why"."""
         ...
@@ -128,8 +134,11 @@ class NullProbe(_ClosesOnExit):
     def read(self) -> DeviceMemory:
         return DeviceMemory(why=self.why)
 
+    def label(self) -> str:
+        return "CPU, no GPU"
+
     def describe(self) -> str:
-        return f"CPU, no GPU: {self.why}"
+        return f"{self.label()}: {self.why}"
 
     def __repr__(self) -> str:
         return f"NullProbe(why={self.why!r})"
@@ -230,12 +239,13 @@ class NvmlProbe(_ClosesOnExit):
             why="; ".join(f"{k}: {v}" for k, v in reasons.items()) or None,
         )
 
+    def label(self) -> str:
+        return self._name or f"GPU {self.device_index}"
+
     def describe(self) -> str:
-        name = self._name or f"GPU {self.device_index}"
         if self._total is None:
-            return name
-        # TODO(format.py): move to kvtui.format once it exists; kept private here meanwhile.
-        return f"{name} · {self._total / 2**30:.1f} GiB"
+            return self.label()
+        return f"{self.label()} · {format_bytes(self._total)}"
 
     def close(self) -> None:
         """Shut NVML down (NVML counts inits, so other open probes stay usable). Idempotent."""
@@ -331,12 +341,14 @@ def torch_memory(device: Any = 0, *, force: bool = False) -> TorchMemory:
 def probe_summary(device_index: int = 0, *, nvml: Any = None) -> dict[str, Any]:
     """One reading as a plain, JSON-able dict (for `--json` and for crossing a process pipe).
 
-    The keys are `DeviceMemory`'s fields plus `probe` ("nvml" or "null") and `description`.
+    The keys are `DeviceMemory`'s fields plus `probe` ("nvml" or "null"), `description` (the
+    probe's `describe()`, one line with the detail) and `label` (its `label()`, a few words).
     """
     with open_probe(device_index, nvml=nvml) as probe:
         summary = asdict(probe.read())
         summary["probe"] = "nvml" if isinstance(probe, NvmlProbe) else "null"
         summary["description"] = probe.describe()
+        summary["label"] = probe.label()
     return summary
 
 

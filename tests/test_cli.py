@@ -72,13 +72,37 @@ def test_work_json_lesson_figures(capsys, length, expected):
         "wasted",
         "speedup",
     }
-    assert data["length"] == length and data["prompt"] == 0
+    assert data["length"] == length and data["prompt"] == 1
     assert {key: data[key] for key in expected} == expected
 
 
 def test_work_with_prompt(capsys):
     data = run_json(capsys, "work", "--length", "10", "--prompt", "5")
-    assert (data["naive_total"], data["cached_total"]) == (10 * 5 + 55, 15)
+    assert (data["naive_total"], data["cached_total"]) == (10 * 5 + 45, 14)
+
+
+@pytest.mark.parametrize(("prompt", "length"), [("x", 24), ("It is a truth", 7), ("ab" * 22, 24)])
+def test_work_counts_what_bench_measures_on_a_prompt_of_that_length(capsys, prompt, length):
+    """One counting rule: `kvtui work --prompt P` is what an engine computes after P tokens."""
+    bench = run_json(
+        capsys,
+        "bench",
+        "--engine",
+        "sim:llama-3.2-1b@h100",
+        "--replay-speed",
+        "0",
+        "--prompt",
+        prompt,
+        "--tokens",
+        str(length),
+    )
+    P = bench["prompt_tokens"]
+    assert len(prompt.encode()) == P
+    work = run_json(capsys, "work", "--length", str(length), "--prompt", str(P))
+    assert (work["naive_total"], work["cached_total"]) == (
+        bench["work_uncached"],
+        bench["work_cached"],
+    )
 
 
 def test_work_table(capsys):
@@ -96,6 +120,7 @@ def test_work_table(capsys):
         (["work", "--length", "2.5"], "positive integer"),
         (["work"], "required: --length"),
         (["work", "--length", "5", "--prompt", "-1"], "--prompt"),
+        (["work", "--length", "5", "--prompt", "0"], "--prompt"),
     ],
 )
 def test_work_bad_input(capsys, argv, says):
@@ -419,3 +444,24 @@ def test_format_helpers():
         "a",
         "an",
     ]
+
+
+LLAMA_8B_CONFIG = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+
+
+def test_budget_refuses_a_config_with_an_unknown_dtype(capsys, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**LLAMA_8B_CONFIG, "torch_dtype": "float7"}))
+    code = main(["budget", "--config", str(config), "--gpu", "h100", "--context", "10"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"{config}: torch_dtype 'float7' is not a dtype kvtui knows" in err

@@ -124,6 +124,7 @@ def test_open_probe_without_nvml_library_is_a_null_probe_that_says_why() -> None
         reading = probe.read()
         assert reading == DeviceMemory(why=probe.why)
         assert probe.describe().startswith("CPU, no GPU: NVML library not found")
+        assert probe.label() == "CPU, no GPU"
 
 
 @pytest.mark.skipif(
@@ -135,6 +136,7 @@ def test_probe_summary_without_nvml_is_plain_json() -> None:
     assert summary["probe"] == "null"
     assert summary["total_bytes"] is None
     assert summary["description"].startswith("CPU, no GPU")
+    assert summary["label"] == "CPU, no GPU"
 
 
 def test_missing_nvidia_ml_py_is_a_null_probe(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,6 +196,7 @@ def test_nvml_probe_reads_a_normal_device(
         assert isinstance(probe, NvmlProbe)
         reading = probe.read()
         assert probe.describe() == "NVIDIA H100 80GB HBM3 · 79.6 GiB"
+        assert probe.label() == "NVIDIA H100 80GB HBM3"
     assert reading.name == "NVIDIA H100 80GB HBM3"
     assert reading.total_bytes == H100_TOTAL_BYTES
     assert reading.used_bytes == 2**30
@@ -264,6 +267,7 @@ def test_nvml_init_failing_is_a_null_probe_with_the_reason(error: int, words: st
     assert isinstance(probe, NullProbe)
     assert words in probe.why
     assert probe.describe() == f"CPU, no GPU: {probe.why}"
+    assert probe.label() == "CPU, no GPU"
 
 
 def test_no_device_at_index_is_a_null_probe_and_shuts_nvml_down() -> None:
@@ -303,6 +307,26 @@ def test_probe_summary_through_the_fake_is_plain_json() -> None:
     assert summary["probe"] == "nvml"
     assert summary["total_bytes"] == H100_TOTAL_BYTES
     assert summary["description"] == "NVIDIA H100 80GB HBM3 · 79.6 GiB"
+    assert summary["label"] == "NVIDIA H100 80GB HBM3"
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "description"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 81920 * 2**20, "NVIDIA A100-SXM4-80GB · 80 GiB"),
+        ("NVIDIA L40S", 46068 * 2**20, "NVIDIA L40S · 45 GiB"),
+        ("NVIDIA RTX A6000", 48676 * 2**20, "NVIDIA RTX A6000 · 47.5 GiB"),
+    ],
+)
+def test_description_gives_the_memory_as_kvtui_formats_it(name, total, description) -> None:
+    summary = probe_summary(nvml=FakeNvml(name=name, total=total))
+    assert (summary["description"], summary["label"]) == (description, name)
+
+
+def test_a_device_without_a_name_is_labelled_by_its_index() -> None:
+    with open_probe(nvml=FakeNvml(not_supported=("nvmlDeviceGetName",))) as probe:
+        assert probe.label() == "GPU 0"
+        assert probe.describe() == "GPU 0 · 79.6 GiB"
 
 
 def test_probe_module_keeps_its_boundary() -> None:

@@ -1,10 +1,10 @@
 """The decode engine in a process of its own, and the UI's handle on it. No torch in the parent.
 
 A torch decode thread and a Textual UI in one process fight for the GIL: in a trial on a 2-core
-machine decode fell from ~330 to ~157 tokens/s and the 99th-percentile step rose to 65 ms
-(shared/TRIALS.md). So the engine runs as `python -m kvtui.engine.process`: the parent writes the
-`RunSettings` as one JSON line on the child's stdin, then `pause`, `resume` or `stop` lines; the
-child writes each event as one JSON line on its stdout. A CUDA failure stays in the child.
+machine decode fell from ~330 to ~157 tokens/s and the 99th-percentile step rose to 65 ms. So the
+engine runs as `python -m kvtui.engine.process`: the parent writes the `RunSettings` as one JSON
+line on the child's stdin, then `pause`, `resume` or `stop` lines; the child writes each event as
+one JSON line on its stdout. A CUDA failure stays in the child.
 (`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
 fds_to_keep"; a plain `subprocess.Popen` with pipes does not.)
 """
@@ -62,6 +62,11 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def returncode(self) -> int | None:
+        """The child's exit status once it has exited (negative: killed by that signal)."""
+        return self._proc.poll() if self._proc else None
+
     def _send(self, line: str) -> None:
         with self._lock:
             if self._proc is None or self._proc.stdin is None:
@@ -87,9 +92,15 @@ class EngineProcess:
         finished = False
         for line in self._proc.stdout:
             try:
-                event = event_from_json(json.loads(line))
-            except (json.JSONDecodeError, ValueError):
-                continue  # stray output (a library's print): not ours
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # stray output (a library's print below Python): not ours
+            try:
+                event = event_from_json(data)
+            except ValueError as exc:  # ours, but not what this UI reads: the run is lost
+                self.stop()
+                yield RunFailed(f"the engine sent an event this kvtui cannot read: {exc}")
+                return
             finished = finished or isinstance(event, RunFailed)
             yield event
         code = self._proc.wait()

@@ -54,7 +54,8 @@ class RunSettings:
     loops: tuple[Loop, ...] = LOOPS
     """Which loops to run."""
     threads: int = 1
-    """torch intra-op threads in the engine's process (1 beside a busy UI: see TRIALS.md)."""
+    """torch intra-op threads in the engine's process (1 beside a busy UI: more threads there
+    made decode slower, not faster, on a 2-core machine)."""
     replay_speed: float = 1.0
     """For `replay:`: 1.0 is the recorded pace, 0 (or less) means as fast as possible."""
 

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Container
 from textual.events import Resize
-from textual.message import Message
 from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Static
@@ -18,7 +15,7 @@ from kvtui.widgets.header import RunHeader
 from kvtui.widgets.too_small import TooSmall, too_small
 
 REDRAWS_PER_SECOND = 10
-"""How often a screen may redraw from new engine data (the issue allows up to ~20)."""
+"""How often a screen may redraw from new engine data (the reader posts at most ~20 a second)."""
 
 
 class LessonScreen(Screen):
@@ -56,8 +53,7 @@ class LessonScreen(Screen):
         self._check_size(self.app.size.width, self.app.size.height)
 
     def on_screen_resume(self) -> None:
-        self.mark_dirty()
-        self._tick()
+        self.redraw_now()
 
     def on_resize(self, event: Resize) -> None:
         self._check_size(event.size.width, event.size.height)
@@ -72,6 +68,11 @@ class LessonScreen(Screen):
         """Redraw at the next tick even if the run has not changed."""
         self._dirty = True
 
+    def redraw_now(self) -> None:
+        """Draw the run now rather than at the next tick (when this screen is shown)."""
+        self.mark_dirty()
+        self._tick()
+
     def _tick(self) -> None:
         if not self.is_current or self.has_class("-too-small"):
             return
@@ -85,6 +86,7 @@ class LessonScreen(Screen):
             self._model_words(),
             self.live.state,
             self._status_words(),
+            device_label=self.live.device_label,
         )
         self.redraw()
 
@@ -124,29 +126,18 @@ def length_step(length: int) -> int:
 
 
 class WorkScreen(LessonScreen):
-    """A lesson screen about decode work for a chosen answer length (screens 1 and 2)."""
+    """A lesson screen about decode work for a chosen answer length (screens 1 and 2).
+
+    `length` follows the App's (bound with `data_bind`); the keys ask the App to change it."""
 
     BINDINGS = [
-        Binding("right,plus,equals_sign", "longer", "Length", key_display="←→"),
-        Binding("left,minus", "shorter", "Length -", show=False),
-        Binding("shift+right,ctrl+right", "double", "x2", show=False),
-        Binding("shift+left,ctrl+left", "halve", "/2", show=False),
+        Binding("right,plus,equals_sign", "app.longer", "Length", key_display="←→"),
+        Binding("left,minus", "app.shorter", "Length -", show=False),
+        Binding("shift+right,ctrl+right", "app.double", "x2", show=False),
+        Binding("shift+left,ctrl+left", "app.halve", "/2", show=False),
     ]
 
     length: reactive[int] = reactive(24, init=False)
-
-    @dataclass
-    class LengthChosen(Message):
-        """The user set the answer length on this screen (other screens follow it)."""
-
-        length: int
-
-    def __init__(self, live: LiveRun, length: int = 24, *, name: str | None = None) -> None:
-        super().__init__(live, name=name)
-        self.set_reactive(WorkScreen.length, self.validate_length(length))
-
-    def validate_length(self, length: int) -> int:
-        return max(MIN_LENGTH, min(MAX_LENGTH, int(length)))
 
     def watch_length(self, length: int) -> None:
         self.show_cards()
@@ -157,22 +148,6 @@ class WorkScreen(LessonScreen):
         super().on_mount()
         self.show_cards()
         self.show_run_note()
-
-    def _choose(self, length: int) -> None:
-        self.length = length
-        self.post_message(self.LengthChosen(self.length))
-
-    def action_longer(self) -> None:
-        self._choose(self.length + length_step(self.length))
-
-    def action_shorter(self) -> None:
-        self._choose(self.length - length_step(self.length - 1))
-
-    def action_double(self) -> None:
-        self._choose(self.length * 2)
-
-    def action_halve(self) -> None:
-        self._choose(self.length // 2)
 
     def show_cards(self) -> None:
         """Put the figures for the chosen length on the cards (immediately, not on the tick)."""

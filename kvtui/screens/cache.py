@@ -49,7 +49,7 @@ class CacheScreen(WorkScreen):
 
     TITLE_TEXT = "2 · With the cache, you compute only the new token"
 
-    BINDINGS = [Binding("c", "toggle_cache", "Cache")]
+    BINDINGS = [Binding("c", "app.toggle_cache", "Cache")]
 
     cache_on: reactive[bool] = reactive(True, init=False)
 
@@ -76,9 +76,6 @@ class CacheScreen(WorkScreen):
         self.set_class(not cache_on, "-cache-off")
         self.show_cards()
         self.mark_dirty()
-
-    def action_toggle_cache(self) -> None:
-        self.cache_on = not self.cache_on
 
     def show_cards(self) -> None:
         if not self.ready:
@@ -152,7 +149,7 @@ class CacheScreen(WorkScreen):
 
     def _draw_per_step(self, plt: Plot, points: int) -> None:
         chart = self.query_one("#per-step", Chart)
-        length, prompt = self.length, 0
+        length, prompt = self.length, 1
         steps = sample_points(length, points)
         plt.plot(
             steps,

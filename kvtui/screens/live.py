@@ -86,6 +86,8 @@ class LiveRun:
 
     settings: RunSettings
     device_description: str = "probing the device..."
+    device_label: str = "probing..."
+    """The device in a few words, for a narrow header: "CPU, no GPU", "NVIDIA H100 80GB HBM3"."""
     probe: dict[str, Any] | None = None
     started: RunStarted | None = None
     state: RunState = "starting"
@@ -109,6 +111,7 @@ class LiveRun:
     def set_probe(self, probe: dict[str, Any]) -> None:
         self.probe = probe
         self.device_description = str(probe.get("description") or "device unknown")
+        self.device_label = str(probe.get("label") or self.device_description)
         self.version += 1
 
     def set_state(self, state: RunState) -> None:

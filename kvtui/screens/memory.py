@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Static
@@ -17,7 +21,15 @@ from kvtui.format import (
 )
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LiveRun
-from kvtui.sim.catalog import GIB, dtype_names, get_gpu, get_model, gpu_names, model_names
+from kvtui.sim.catalog import (
+    GIB,
+    dtype_names,
+    get_gpu,
+    get_model,
+    gpu_names,
+    match_gpu,
+    model_names,
+)
 from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points, short_number
@@ -37,17 +49,10 @@ def fine_step(context: int) -> int:
 
 
 def gpu_from_probe(probe: dict | None) -> str | None:
-    """The catalog GPU the probe found, by its name and memory; None without a match."""
-    name = str((probe or {}).get("name") or "").lower()
-    if not name:
-        return None
-    total = (probe or {}).get("total_bytes") or 0
-    for key in ("h200", "b200", "h100", "mi300x", "rtx-4090", "l4", "t4"):
-        if key.replace("rtx-", "") in name:
-            return key
-    if "a100" in name:
-        return "a100-80gb" if total > 48 * GIB else "a100-40gb"
-    return None
+    """The catalog GPU the probe found (`match_gpu`: by name and memory); None if it is none."""
+    probe = probe or {}
+    gpu = match_gpu(str(probe.get("name") or ""), probe.get("total_bytes") or None)
+    return gpu.name if gpu else None
 
 
 MEMORY_CAPTION = (
@@ -57,10 +62,33 @@ MEMORY_CAPTION = (
 MEMORY_CAPTION_NARROW = "[$warning]━[/] memory in use  [$error]━[/] capacity\n│ the context chosen"
 
 
+class BudgetCommands(Provider):
+    """Command palette entries on screen 3: the what-if's model and GPU."""
+
+    def _commands(self) -> list[tuple[str, Callable[[], None]]]:
+        screen = self.screen
+        assert isinstance(screen, MemoryScreen)
+        return [
+            *((f"Model: {n}", partial(screen.choose, model=n)) for n in model_names()),
+            *((f"GPU: {n}", partial(screen.choose, gpu=n)) for n in gpu_names()),
+        ]
+
+    async def discover(self) -> Hits:
+        for text, command in self._commands():
+            yield DiscoveryHit(text, command, help="screen 3's what-if")
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for text, command in self._commands():
+            if (score := matcher.match(text)) > 0:
+                yield Hit(score, matcher.highlight(text), command, help="screen 3's what-if")
+
+
 class MemoryScreen(LessonScreen):
     """A VRAM bar, a budget's cards and a memory-against-context chart, plus the live engine."""
 
     TITLE_TEXT = "3 · The cache grows and eats memory"
+    COMMANDS = LessonScreen.COMMANDS | {BudgetCommands}
 
     BINDINGS = [
         Binding("right", "context(1)", "Context", key_display="←→ -+"),

@@ -40,8 +40,8 @@ CAPTION_NARROW = (
 )
 
 SMOOTHING_STEPS = 9
-"""The measured step times are drawn as a rolling median of this many steps (CPU steps jitter
-+-20%, see TRIALS.md)."""
+"""The measured step times are drawn as a rolling median of this many steps (a CPU step's time
+jitters by about +-20% from one step to the next)."""
 
 
 class RecomputeScreen(WorkScreen):

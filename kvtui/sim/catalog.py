@@ -2,13 +2,16 @@
 
 The figures live in `assets/models.json` and `assets/gpus.json`, each with the URL it was copied
 from; this module loads them once, on first use. `model_from_hf_config` reads a user's own Hugging
-Face `config.json` into the same `ModelSpec`.
+Face `config.json` into the same `ModelSpec`; `match_gpu` says which catalog GPU, if any, a probed
+device is.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import cache
@@ -277,6 +280,87 @@ def get_gpu(name: str) -> GPUSpec:
         raise UnknownNameError(_unknown("GPU", name, list(gpus))) from None
 
 
+# --- which catalog GPU a probed device is --------------------------------------------------------
+
+MEMORY_MATCH = (0.90, 1.01)
+"""A probed total matches a catalog capacity from 90% to 101% of it. Drivers report a little under
+the label (H100 80GB HBM3: 79.6 GiB; A100 80GB: exactly 80 GiB), and GDDR with ECC on gives up a
+sixteenth (L40S: 45 GiB of 48); the next size of the same part is far outside (A100 40 and 80 GB,
+V100 16 and 32 GB, a 94 GB H100 NVL against the 80 GB H100)."""
+
+_VENDOR_WORDS = frozenset({"nvidia", "amd", "tesla", "geforce", "quadro", "instinct", "radeon"})
+_FORM_FACTORS = ("sxm", "pcie", "nvl")
+
+
+def _words(text: str) -> list[str]:
+    """Lower-case words of a GPU name: "NVIDIA A100-SXM4-40GB" -> nvidia, a100, sxm4, 40gb."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def _form_factor(words: Iterable[str]) -> str | None:
+    """The form factor a word names, "sxm", "pcie" or "nvl" (sxm2/4/5 are SXM); else None."""
+    for word in words:
+        stem = word.rstrip("0123456789")
+        if stem in _FORM_FACTORS:
+            return stem
+    return None
+
+
+@cache
+def _gpu_name_keys() -> list[tuple[GPUSpec, frozenset[str], str | None]]:
+    """Per catalog GPU: the words a device name must contain, and the entry's form factor.
+
+    The words are those of the display name outside its parentheses, less the vendor's words, the
+    memory size (`80GB`: memory is matched against the probed total) and the form factor."""
+    keys = []
+    for gpu in _gpus().values():
+        outside = _words(re.sub(r"\([^)]*\)", " ", gpu.display_name))
+        required = frozenset(
+            word
+            for word in outside
+            if word not in _VENDOR_WORDS
+            and not re.fullmatch(r"\d+gb?", word)
+            and _form_factor([word]) is None
+        )
+        keys.append((gpu, required, _form_factor(_words(gpu.display_name))))
+    return keys
+
+
+def match_gpu(name: str, total_bytes: int | None) -> GPUSpec | None:
+    """The catalog GPU a probed device is, from its driver name and memory; None if it is none.
+
+    A catalog entry matches when every word of its display name outside the parentheses (less
+    vendor, memory size and form factor) is a word of `name`, so an L4 never matches "NVIDIA L40S",
+    nor an A10 "NVIDIA A10G"; when the form factors agree (a name without one is taken for SXM, as
+    NVML names H100 SXM "NVIDIA H100 80GB HBM3"); and when `total_bytes` is within MEMORY_MATCH of
+    its capacity. Of several, the entry with most words wins, then the nearest capacity; with the
+    total unknown, only a single candidate matches. A MIG slice is a share of a GPU, so None.
+    """
+    words = set(_words(name or ""))
+    if not words or "mig" in words:
+        return None
+    form = _form_factor(words)
+    low, high = MEMORY_MATCH
+    candidates: list[tuple[int, GPUSpec]] = []
+    for gpu, required, entry_form in _gpu_name_keys():
+        if not required <= words:
+            continue
+        if entry_form is not None and form != entry_form and (form, entry_form) != (None, "sxm"):
+            continue
+        if total_bytes is not None and not (
+            low * gpu.memory_bytes <= total_bytes <= high * gpu.memory_bytes
+        ):
+            continue
+        candidates.append((len(required), gpu))
+    if not candidates:
+        return None
+    most = max(count for count, _ in candidates)
+    best = [gpu for count, gpu in candidates if count == most]
+    if total_bytes is None:
+        return best[0] if len(best) == 1 else None
+    return min(best, key=lambda gpu: abs(gpu.memory_bytes - total_bytes))
+
+
 # --- a user's own config.json --------------------------------------------------------------------
 
 
@@ -390,6 +474,36 @@ def _mla_attention_params(config: dict[str, Any], hidden: int, heads: int) -> in
     return q + kv + heads * v_dim * hidden
 
 
+def _quantized_dtype(config: dict[str, Any]) -> str | None:
+    """The weights' storage format a quantization_config states (fp8, int4); None without one."""
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict):
+        return None
+    method = str(quantization.get("quant_method", "")).lower()
+    bits = quantization.get("bits")
+    if method == "fp8":
+        return "fp8"
+    if bits == 4 or method in ("awq", "gptq") and bits in (None, 4):
+        return "int4"
+    return None
+
+
+def _config_dtype(config: dict[str, Any], where: str, gpt2_style: bool) -> str:
+    """The dtype the config's weights are stored in; ConfigError naming the field if unknown.
+
+    A config without one is float32 for GPT-2 (its checkpoints are) and bf16 otherwise."""
+    field = next((key for key in ("torch_dtype", "dtype") if config.get(key) is not None), None)
+    if field is None:
+        return "fp32" if gpt2_style else "bf16"
+    try:
+        return normalize_dtype(config[field])
+    except UnknownNameError:
+        known = ", ".join(DTYPE_BYTES)
+        raise ConfigError(
+            f"{where}: {field} {config[field]!r} is not a dtype kvtui knows (known: {known})"
+        ) from None
+
+
 def model_from_hf_config(path: str | Path) -> ModelSpec:
     """A ModelSpec from a Hugging Face `config.json` (Llama/Mistral/Qwen/Gemma/DeepSeek/GPT-2).
 
@@ -437,18 +551,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     if heads % kv_heads:
         raise ConfigError(f"{where}: {heads} attention heads do not group into {kv_heads} kv heads")
 
-    dtype_name = _first(config, "torch_dtype", "dtype") or ("float32" if gpt2_style else "bf16")
-    try:
-        default_dtype = normalize_dtype(dtype_name)
-    except UnknownNameError:
-        default_dtype = "bf16"
-    if isinstance(config.get("quantization_config"), dict):
-        method = str(config["quantization_config"].get("quant_method", "")).lower()
-        bits = config["quantization_config"].get("bits")
-        if method == "fp8":
-            default_dtype = "fp8"
-        elif bits == 4 or method in ("awq", "gptq") and bits in (None, 4):
-            default_dtype = "int4"
+    default_dtype = _quantized_dtype(config) or _config_dtype(config, where, gpt2_style)
     window, sliding = _hf_sliding(config, layers, max_context)
 
     tied = bool(config.get("tie_word_embeddings", True))

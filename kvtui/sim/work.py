@@ -1,20 +1,18 @@
 """Exact decode-work counts, without a UI.
 
-An answer of `n` generated tokens follows a prompt of `p` tokens (p = 0 reproduces the lesson).
-Work is counted in *positions computed*: one position is one token's pass through the model,
-which produces that token's keys and values in every layer.
+An answer of `n` generated tokens follows a prompt of `p` tokens (p >= 1: a model needs a token to
+start from). Work is counted in *positions computed*: one position is one token's pass through the
+model, which produces that token's keys and values in every layer. The rule is the engines' own
+(kvtui.engine.protocol states it): the step that emits token t (t = 1..n)
 
-- Without a cache, the step that emits token t (t = 1..n) recomputes every position so far:
-  p + t of them. Over the answer: n*p + n(n+1)/2.
-- With a cache, the first step computes the p prompt positions (the prefill) plus one, every later
-  step only the newest position: p + 1, then 1, 1, ... Over the answer: p + n.
+- without a cache recomputes every position so far: p + t - 1 of them; over the answer
+  n*p + n(n-1)/2;
+- with a cache computes the p prompt positions on the first step (the prefill) and only the newest
+  position on every later step: p, then 1, 1, ...; over the answer p + n - 1.
 
-Prefill is folded into step 1 of the cached loop, which is what the engines report as
-`positions_computed` (prompt_tokens + 1 on the first cached step, 1 after).
-
-All counts are closed forms over Python integers: exact and instant for any n. The lesson's
-figures: n = 24 -> last step 24, total 300, wasted 276; n = 32 -> 528 against 32, 16.5x;
-n = 4096 -> 8,390,656 against 4,096.
+With a one-token prompt (p = 1, the default) these are the lesson's figures: n = 24 -> last step
+24, total 300, wasted 276; n = 32 -> 528 against 32, 16.5x; n = 4096 -> 8,390,656 against 4,096.
+All counts are closed forms over Python integers: exact and instant for any n.
 
 The second half prices one decode step of a real model in FLOPs and bytes read, after Kaplan et
 al. 2020 ("Scaling Laws for Neural Language Models", arXiv:2001.08361, section 2.1: a forward
@@ -43,32 +41,32 @@ def _check(name: str, value: int, minimum: int) -> None:
         raise ValueError(f"{name} must be at least {minimum}, not {value}")
 
 
-def naive_step_positions(t: int, prompt: int = 0) -> int:
-    """Positions the uncached loop computes in the step that emits token t (1-based): p + t."""
+def naive_step_positions(t: int, prompt: int = 1) -> int:
+    """Positions the uncached loop computes in the step that emits token t (1-based): p + t - 1."""
     _check("t", t, 1)
-    _check("prompt", prompt, 0)
-    return prompt + t
+    _check("prompt", prompt, 1)
+    return prompt + t - 1
 
 
-def cached_step_positions(t: int, prompt: int = 0) -> int:
-    """Positions the cached loop computes in step t (1-based): p + 1 (prefill + 1), then 1."""
+def cached_step_positions(t: int, prompt: int = 1) -> int:
+    """Positions the cached loop computes in step t (1-based): p (the prefill), then 1."""
     _check("t", t, 1)
-    _check("prompt", prompt, 0)
-    return prompt + 1 if t == 1 else 1
+    _check("prompt", prompt, 1)
+    return prompt if t == 1 else 1
 
 
-def naive_cumulative(t: int, prompt: int = 0) -> int:
-    """Positions the uncached loop has computed after t steps: t*p + t(t+1)/2."""
+def naive_cumulative(t: int, prompt: int = 1) -> int:
+    """Positions the uncached loop has computed after t steps: t*p + t(t-1)/2."""
     _check("t", t, 0)
-    _check("prompt", prompt, 0)
-    return t * prompt + t * (t + 1) // 2
+    _check("prompt", prompt, 1)
+    return t * prompt + t * (t - 1) // 2
 
 
-def cached_cumulative(t: int, prompt: int = 0) -> int:
-    """Positions the cached loop has computed after t steps: p + t (0 before the first step)."""
+def cached_cumulative(t: int, prompt: int = 1) -> int:
+    """Positions the cached loop has computed after t steps: p + t - 1 (0 before the first)."""
     _check("t", t, 0)
-    _check("prompt", prompt, 0)
-    return prompt + t if t else 0
+    _check("prompt", prompt, 1)
+    return prompt + t - 1 if t else 0
 
 
 @dataclass(frozen=True)
@@ -80,11 +78,11 @@ class WorkSummary:
     prompt: int
     """Prompt tokens before them (p)."""
     naive_last_step: int
-    """Positions the uncached loop computes for the last token: p + n."""
+    """Positions the uncached loop computes for the last token: p + n - 1."""
     naive_total: int
-    """All positions the uncached loop computes: n*p + n(n+1)/2."""
+    """All positions the uncached loop computes: n*p + n(n-1)/2."""
     cached_total: int
-    """All positions the cached loop computes: p + n."""
+    """All positions the cached loop computes: p + n - 1."""
     wasted: int
     """Positions computed more than once: naive_total - cached_total."""
     speedup: float
@@ -94,10 +92,10 @@ class WorkSummary:
         return asdict(self)
 
 
-def work_summary(length: int, prompt: int = 0) -> WorkSummary:
+def work_summary(length: int, prompt: int = 1) -> WorkSummary:
     """The work of generating `length` tokens after `prompt` tokens, with and without a cache."""
     _check("length", length, 1)
-    _check("prompt", prompt, 0)
+    _check("prompt", prompt, 1)
     naive = naive_cumulative(length, prompt)
     cached = cached_cumulative(length, prompt)
     return WorkSummary(

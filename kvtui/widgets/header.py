@@ -9,15 +9,6 @@ from textual.widget import Widget
 MARKS = {"running": "▶ ", "paused": "⏸ ", "done": "✓ ", "failed": "✗ ", "stopped": "■ "}
 
 
-def short_device(device: str) -> str:
-    """The device without its detail: "CPU, no GPU: NVML library not found" -> "CPU, no GPU",
-    "NVIDIA H100 80GB HBM3 · 79.6 GiB" -> "NVIDIA H100 80GB HBM3"."""
-    for separator in (": ", " · "):
-        if separator in device:
-            return device.split(separator, 1)[0]
-    return device
-
-
 class RunHeader(Widget):
     """One line: run state · engine and model · device. Its state is a CSS class.
 
@@ -38,18 +29,28 @@ class RunHeader(Widget):
 
     def __init__(self) -> None:
         super().__init__()
-        self._parts: tuple[str, str, str, str] = ("", "", "", "")
+        self._parts: tuple[str, str, str, str, str] = ("", "", "", "", "")
 
-    def show(self, device: str, engine: str, model: str, state: str, status: str) -> None:
+    def show(
+        self,
+        device: str,
+        engine: str,
+        model: str,
+        state: str,
+        status: str,
+        *,
+        device_label: str,
+    ) -> None:
+        """`device` in full (the probe's `description`); `device_label` in a few words (its
+        `label`), used when the line is narrow."""
         for name in ("running", "paused", "done", "failed", "stopped", "starting"):
             self.set_class(name == state, f"-{name}")
-        self._parts = (MARKS.get(state, "… ") + status, engine, model, device)
+        self._parts = (MARKS.get(state, "… ") + status, engine, model, device, device_label)
         self.refresh()
 
     def variants(self) -> list[Text]:
         """The header's line, from the fullest wording to the shortest."""
-        status, engine, model, device = self._parts
-        short = short_device(device)
+        status, engine, model, device, short = self._parts
         wordings = [(model, device), (model, short), ("", short)]
         lines = []
         for words, where in wordings:

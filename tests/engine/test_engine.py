@@ -17,7 +17,12 @@ from kvtui.engine.protocol import (
 )
 from kvtui.engine.spec import open_engine
 from kvtui.sim.memory import kv_bytes
-from kvtui.sim.work import decode_step_flops, naive_step_positions, uncached_step_flops
+from kvtui.sim.work import (
+    cached_step_positions,
+    decode_step_flops,
+    naive_step_positions,
+    uncached_step_flops,
+)
 
 TINY = RunSettings(engine="tiny", device="cpu", tokens=24, seed=3)
 
@@ -69,9 +74,11 @@ def test_step_counts_agree_with_kvtui_sim(tiny_run):
     engine, events = tiny_run
     P = events[0].prompt_tokens
     uncached, cached = steps_of(events, "uncached"), steps_of(events, "cached")
-    # the lesson's prompt p is the positions before the first generated-token step: P - 1
     assert [s.positions_computed for s in uncached] == [
-        naive_step_positions(t, P - 1) for t in range(1, 25)
+        naive_step_positions(t, P) for t in range(1, 25)
+    ]
+    assert [s.positions_computed for s in cached] == [
+        cached_step_positions(t, P) for t in range(1, 25)
     ]
     assert [s.flops for s in uncached] == [
         uncached_step_flops(engine.spec, P + i) for i in range(24)

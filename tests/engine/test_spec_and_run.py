@@ -15,7 +15,6 @@ from kvtui.engine.protocol import (
     EngineError,
     RunControl,
     RunFailed,
-    RunFinished,
     RunSettings,
     RunStarted,
     StepSample,
@@ -46,13 +45,12 @@ def test_sim_steps_agree_with_kvtui_sim_exactly():
     events = list(run_events(open_engine(SIM), SIM))
     spec, gpu = get_model("llama-3.1-8b"), get_gpu("h100")
     P = events[0].prompt_tokens
-    p = P - 1  # the lesson's prompt: positions before the first generated-token step
     cached, uncached = steps_of(events, "cached"), steps_of(events, "uncached")
     assert [s.positions_computed for s in uncached] == [
-        naive_step_positions(t, p) for t in range(1, 41)
+        naive_step_positions(t, P) for t in range(1, 41)
     ]
     assert [s.positions_computed for s in cached] == [
-        cached_step_positions(t, p) for t in range(1, 41)
+        cached_step_positions(t, P) for t in range(1, 41)
     ]
     for i, s in enumerate(uncached):
         assert s.flops == uncached_step_flops(spec, P + i)
@@ -197,10 +195,9 @@ def test_stop_and_close_end_the_engine_process_quickly():
     events = proc.events()
     next(events)
     next(events)
-    started = time.perf_counter()
     proc.close(timeout=1.0)
-    assert time.perf_counter() - started < 1.5
     assert not proc.alive
+    assert proc.returncode == 0  # it stopped when asked: not terminated, not killed
 
 
 def test_engine_process_pause_and_resume():
@@ -209,19 +206,35 @@ def test_engine_process_pause_and_resume():
     proc = EngineProcess(replace(SIM, tokens=100_000, replay_speed=1.0))
     proc.start()
     seen = []
-    reader = threading.Thread(target=lambda: seen.extend(proc.events()), daemon=True)
+    arrived = threading.Condition()
+
+    def read() -> None:
+        for event in proc.events():
+            with arrived:
+                seen.append(event)
+                arrived.notify_all()
+
+    def quiet_for(seconds: float) -> bool:
+        """True when no event arrives for `seconds` (the child has really stopped stepping)."""
+        with arrived:
+            count = len(seen)
+            arrived.wait(seconds)
+            return len(seen) == count
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    time.sleep(0.2)
+    with arrived:
+        assert arrived.wait_for(lambda: len(seen) >= 5, timeout=30)
     proc.pause()
-    time.sleep(0.3)  # let the pause land and the pipe drain
+    # Steps already in the pipe may still arrive; then nothing, however long we look.
+    assert any(quiet_for(0.3) for _ in range(20)), "the engine never paused"
     held = len(seen)
-    time.sleep(0.3)
-    assert len(seen) == held  # paused: nothing new
+    assert quiet_for(0.5) and len(seen) == held
     proc.resume()
-    time.sleep(0.3)
-    assert len(seen) > held
+    with arrived:
+        assert arrived.wait_for(lambda: len(seen) > held, timeout=30)
     proc.close()
-    reader.join(2)
+    reader.join(5)
 
 
 def test_child_rejects_bad_settings():
@@ -234,4 +247,3 @@ def test_child_rejects_bad_settings():
     )
     assert out.returncode == 2
     assert json.loads(out.stdout)["kind"] == "failed"
-    assert isinstance(RunFinished, type)

@@ -8,7 +8,13 @@ from collections.abc import Iterator
 from kvtui.engine.protocol import Event, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
-from kvtui.sim.work import decode_step_bytes, decode_step_flops, uncached_step_flops
+from kvtui.sim.work import (
+    cached_step_positions,
+    decode_step_bytes,
+    decode_step_flops,
+    naive_step_positions,
+    uncached_step_flops,
+)
 
 WORDS = [
     "It",
@@ -63,7 +69,10 @@ def sim_events(
         text = ("" if step == 0 else " ") + WORDS[step % len(WORDS)]
         for loop in settings.loops:
             cached = loop == "cached"
-            computed = (prompt + 1 if step == 0 else 1) if cached else position + 1
+            t = step + 1
+            computed = (
+                cached_step_positions(t, prompt) if cached else naive_step_positions(t, prompt)
+            )
             bytes_read = decode_step_bytes(spec, position + 1)
             flops = (
                 decode_step_flops(spec, position + 1)

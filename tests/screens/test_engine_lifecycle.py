@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import build
+from conftest import build, notifications, wait_for
 from fakes import FakeEngine
 from textual.worker import WorkerState
 
@@ -26,8 +26,7 @@ async def test_quitting_mid_run_ends_the_engine_and_the_worker():
 async def test_space_pauses_and_resumes():
     app = build(1, hold_at=10)
     async with app.run_test(size=SIZE) as pilot:
-        while app.live.state != "running":
-            await pilot.pause()
+        await wait_for(pilot, lambda: app.live.state == "running")
         await pilot.press("space")
         assert app.live.state == "paused"
         assert FakeEngine.instances[-1].paused_calls == 1
@@ -44,35 +43,31 @@ async def test_restart_replaces_the_engine():
         await pilot.pause()
         second = FakeEngine.instances[-1]
         assert second is not first
-        for _ in range(50):
-            if not first.alive:
-                break
-            await pilot.pause(0.02)
-        assert not first.alive
+        await wait_for(pilot, lambda: not first.alive)
 
 
 async def test_a_worker_failure_becomes_a_notification():
     app = build(1, fail_start=RuntimeError("no engine here"))
-    async with app.run_test(size=SIZE) as pilot:
+    seen = []
+    async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
         await app.workers.wait_for_complete()
         await pilot.pause()
         assert app.live.state == "failed"
-        messages = [n.message for n in app._notifications]
-        assert any("no engine here" in m for m in messages)
+        assert any("no engine here" in m for m in notifications(seen))
         assert app.is_running  # the app stays up
 
 
 async def test_a_dying_engine_says_so_and_offers_restart():
     events = [RunFailed("decode engine killed by signal 9")]
     app = build(1, events=events)
-    async with app.run_test(size=SIZE) as pilot:
+    seen = []
+    async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
         await app.workers.wait_for_complete()
         await pilot.pause()
-        app.screen.mark_dirty()
-        app.screen._tick()
+        app.screen.redraw_now()
         header = str(app.screen.query_one("RunHeader").render())
         assert "killed by signal 9" in header and "r restarts" in header
-        assert any("signal 9" in n.message for n in app._notifications)
+        assert any("signal 9" in m for m in notifications(seen))
 
 
 async def test_restart_with_a_longer_length_asks_the_engine_for_more_tokens():
@@ -98,7 +93,7 @@ async def test_restart_is_capped_at_the_longest_length():
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press(*["shift+right"] * 10, "r")  # the length doubles up to 4,096
         await pilot.pause()
-        assert app.screen.length == 4096
+        assert app.length == app.screen.length == 4096
         assert FakeEngine.instances[-1].settings.tokens == 4096
 
 
@@ -116,15 +111,15 @@ async def test_an_engine_that_refuses_the_length_says_why():
         RunFinished("cached", "error", 0, why),
     ]
     app = build(1, events=events)
-    async with app.run_test(size=SIZE) as pilot:
+    seen = []
+    async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
         await app.workers.wait_for_complete()
         await pilot.pause()
         assert app.live.state == "failed"
-        app.screen.mark_dirty()
-        app.screen._tick()
+        app.screen.redraw_now()
         header = str(app.screen.query_one("RunHeader").render())
         assert why in header and "r restarts" in header
-        told = [n.message for n in app._notifications if why in n.message]
+        told = [m for m in notifications(seen) if why in m]
         assert len(told) == 1 and "Shorten the length" in told[0]
 
 
@@ -142,5 +137,5 @@ async def test_restart_stays_within_the_models_positions():
         await app.workers.wait_for_complete()
         await pilot.press(*["right"] * 60, "r")
         await pilot.pause()
-        assert app.screen.length > 50
+        assert app.length > 50
         assert FakeEngine.instances[-1].settings.tokens == 50

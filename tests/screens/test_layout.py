@@ -7,7 +7,6 @@ from conftest import PROBE, build, screen_text
 from test_screens import settle
 
 from kvtui.widgets.chart import rolling_median
-from kvtui.widgets.header import short_device
 
 SMALL, MEDIUM, LARGE = (80, 24), (100, 30), (160, 48)
 
@@ -81,12 +80,6 @@ async def test_80x24_quiz_shows_the_feedback_whole():
         await pilot.pause()
         text = " ".join(screen_text(app).replace("│", " ").split())
         assert "bigger GPU are the ways out." in text
-
-
-def test_short_device():
-    assert short_device(PROBE["description"]) == "CPU, no GPU"
-    assert short_device("NVIDIA H100 80GB HBM3 · 79.6 GiB") == "NVIDIA H100 80GB HBM3"
-    assert short_device("Apple M2") == "Apple M2"
 
 
 def test_rolling_median_drops_a_spike_and_keeps_a_ramp():

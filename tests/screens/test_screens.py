@@ -23,8 +23,7 @@ async def settle(app, pilot) -> None:
     """Let the fake run finish and the screens draw it."""
     await app.workers.wait_for_complete()
     await pilot.pause()
-    app.screen.mark_dirty()
-    app.screen._tick()
+    app.screen.redraw_now()
     await pilot.pause()
 
 
@@ -134,7 +133,7 @@ async def test_screen3_pickers_change_the_budget():
         await pilot.press("b")  # batch 8 -> 16
         assert app.screen.batch == 16
         await pilot.press("g")
-        assert app.screen.gpu == "h200"
+        assert app.screen.gpu == "gh200"
 
 
 async def test_quiz_gives_feedback():

@@ -11,8 +11,7 @@ def _settled(app: KVApp):
     async def run_before(pilot) -> None:
         await app.workers.wait_for_complete()
         await pilot.pause()
-        app.screen.mark_dirty()
-        app.screen._tick()
+        app.screen.redraw_now()
         await pilot.pause()
 
     return run_before

@@ -15,6 +15,7 @@ from kvtui.sim.catalog import (
     get_gpu,
     get_model,
     gpu_names,
+    match_gpu,
     model_from_hf_config,
     model_names,
     normalize_dtype,
@@ -70,11 +71,17 @@ PUBLISHED_PARAMS = {
 # Vendor datasheets: (memory GB, bandwidth bytes/s, dense BF16 FLOP/s).
 PUBLISHED_GPUS = {
     "t4": (16, 320e9, 65e12),  # nvidia.com T4 datasheet (FP16: Turing has no BF16)
+    "v100-16gb": (16, 900e9, 125e12),  # nvidia.com/en-us/data-center/v100, SXM2 (FP16: no BF16)
+    "a10": (24, 600e9, 125e12),  # nvidia.com/en-us/data-center/products/a10-gpu (250 sparse)
     "l4": (24, 300e9, 121e12),  # nvidia.com/en-us/data-center/l4 (242 TFLOPS with sparsity)
     "rtx-4090": (24, 1008e9, 165.2e12),  # Ada architecture whitepaper, appendix
+    "v100-32gb": (32, 900e9, 125e12),  # nvidia.com/en-us/data-center/v100, SXM2 (FP16: no BF16)
     "a100-40gb": (40, 1555e9, 312e12),  # A100 datasheet
+    "l40s": (48, 864e9, 362.05e12),  # nvidia.com/en-us/data-center/l40s (733 with sparsity)
     "a100-80gb": (80, 2039e9, 312e12),  # A100 datasheet (SXM)
+    "h100-pcie": (80, 2e12, 756e12),  # H100 whitepaper, PCIe column (1,513 with sparsity)
     "h100": (80, 3.35e12, 989.4e12),  # nvidia.com/en-us/data-center/h100 (SXM)
+    "gh200": (96, 4e12, 990e12),  # nvidia.com Grace Hopper page: 96 GB HBM3 (1,979 sparse)
     "h200": (141, 4.8e12, 989.4e12),  # nvidia.com/en-us/data-center/h200
     "b200": (180, 8e12, 2.25e15),  # DGX B200 datasheet: 1,440 GB, 64 TB/s over 8 GPUs
     "mi300x": (192, 5.3e12, 1307.4e12),  # amd.com MI300X page
@@ -133,6 +140,16 @@ def test_gpu_matches_its_datasheet(name):
     assert gpu.source.startswith("https://")
 
 
+def test_gpus_are_in_order_of_memory():
+    memory = [get_gpu(name).memory_bytes for name in gpu_names()]
+    assert memory == sorted(memory)
+
+
+def test_parts_without_bf16_say_their_figure_is_fp16():
+    for name in ("t4", "v100-16gb", "v100-32gb"):
+        assert "no BF16" in get_gpu(name).notes and "FP16 tensor" in get_gpu(name).notes
+
+
 def test_specs_are_frozen():
     with pytest.raises(AttributeError):
         get_model("gpt2").layers = 1  # type: ignore[misc]
@@ -162,6 +179,81 @@ def test_dtype_names():
     assert normalize_dtype("torch.float32") == "fp32"
     with pytest.raises(UnknownNameError, match="fp8"):
         normalize_dtype("fp7")
+
+
+# --- which catalog GPU a probed device is ---------------------------------------------------------
+
+MIB = 2**20
+
+# NVML's marketing name and total memory as the driver reports them (nvidia-smi's "MiB" column).
+PROBED_GPUS = [
+    ("Tesla T4", 15360 * MIB, "t4"),
+    ("Tesla V100-SXM2-16GB", 16160 * MIB, "v100-16gb"),
+    ("NVIDIA A10", 23028 * MIB, "a10"),
+    ("NVIDIA L4", 23034 * MIB, "l4"),
+    ("NVIDIA GeForce RTX 4090", 24564 * MIB, "rtx-4090"),
+    ("Tesla V100-SXM2-32GB", 32510 * MIB, "v100-32gb"),
+    ("NVIDIA A100-SXM4-40GB", 40960 * MIB, "a100-40gb"),
+    ("NVIDIA A100-SXM4-40GB", 40536 * MIB, "a100-40gb"),
+    ("NVIDIA L40S", 46068 * MIB, "l40s"),  # 48 GB GDDR6 less ECC's sixteenth
+    ("NVIDIA A100-SXM4-80GB", 81920 * MIB, "a100-80gb"),
+    ("NVIDIA H100 PCIe", 81559 * MIB, "h100-pcie"),
+    ("NVIDIA H100 80GB HBM3", 81559 * MIB, "h100"),  # the SXM part: its name says no SXM
+    ("NVIDIA GH200 480GB", 97871 * MIB, "gh200"),  # 480 GB is the CPU's LPDDR5X
+    ("NVIDIA H200", 143771 * MIB, "h200"),
+    ("NVIDIA B200", 183359 * MIB, "b200"),
+    ("AMD Instinct MI300X", 192 * GIB, "mi300x"),
+]
+
+
+@pytest.mark.parametrize(("name", "total", "expected"), PROBED_GPUS)
+def test_a_probed_gpu_matches_its_catalog_entry(name, total, expected):
+    assert match_gpu(name, total) is get_gpu(expected)
+
+
+def test_every_catalog_gpu_is_matched_by_its_own_name():
+    assert {expected for _, _, expected in PROBED_GPUS} == set(gpu_names())
+    for gpu in map(get_gpu, gpu_names()):
+        assert match_gpu(gpu.display_name, int(gpu.memory_bytes * 0.95)) is gpu, gpu.name
+
+
+@pytest.mark.parametrize(
+    ("name", "total"),
+    [
+        ("NVIDIA L40S", 23034 * MIB),  # an L4's memory: an L40S is never an L4
+        ("NVIDIA L4", 46068 * MIB),
+        ("NVIDIA L40", 46068 * MIB),  # the L40 is not the L40S, nor the L4
+        ("NVIDIA A10G", 23028 * MIB),  # AWS's part, not the A10
+        ("NVIDIA RTX A6000", 48676 * MIB),
+        ("NVIDIA H100 NVL", 95830 * MIB),
+        ("NVIDIA H200 NVL", 143771 * MIB),
+        ("NVIDIA A100 80GB PCIe", 81920 * MIB),  # the catalog's A100s are SXM
+        ("Tesla V100S-PCIE-32GB", 32510 * MIB),
+        ("NVIDIA GH200 144G HBM3e", 146 * GIB),  # the HBM3e GH200 is not the 96 GB one
+        ("NVIDIA H800", 81559 * MIB),
+        ("NVIDIA H20", 97871 * MIB),
+        ("NVIDIA GeForce RTX 4090 Laptop GPU", 16376 * MIB),
+        ("NVIDIA A100-SXM4-40GB MIG 3g.20gb", 19968 * MIB),  # a slice, not a GPU
+        ("NVIDIA H100 80GB HBM3 MIG 7g.80gb", 81559 * MIB),
+        ("NVIDIA H100 80GB HBM3", 40 * GIB),  # the name and the memory disagree
+        ("", 80 * GIB),
+    ],
+)
+def test_unknown_or_inconsistent_devices_match_nothing(name, total):
+    assert match_gpu(name, total) is None
+
+
+def test_memory_picks_between_sizes_of_one_part():
+    assert match_gpu("NVIDIA A100-SXM4-80GB", 40960 * MIB) is get_gpu("a100-40gb")
+    assert match_gpu("Tesla V100-SXM2-16GB", 32510 * MIB) is get_gpu("v100-32gb")
+
+
+def test_without_the_total_only_an_unambiguous_name_matches():
+    assert match_gpu("NVIDIA L40S", None) is get_gpu("l40s")
+    assert match_gpu("NVIDIA H100 80GB HBM3", None) is get_gpu("h100")
+    assert match_gpu("NVIDIA H100 PCIe", None) is get_gpu("h100-pcie")
+    assert match_gpu("NVIDIA A100-SXM4-80GB", None) is None  # 40 or 80 GB: memory decides
+    assert match_gpu("Tesla V100-SXM2-32GB", None) is None
 
 
 # --- a user's own config.json -------------------------------------------------------------------
@@ -334,6 +426,34 @@ def test_bad_configs_raise_one_line(tmp_path, content, message):
         model_from_hf_config(_write(tmp_path, content))
     assert "\n" not in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("torch_dtype", "float7"), ("torch_dtype", 16), ("dtype", "uint8")]
+)
+def test_unknown_dtype_is_a_config_error_naming_the_field(tmp_path, field, value):
+    config = {**HF_CONFIGS["llama-2-7b"], field: value}
+    if field != "torch_dtype":
+        del config["torch_dtype"]
+    path = _write(tmp_path, config)
+    with pytest.raises(ConfigError) as info:
+        model_from_hf_config(path)
+    assert str(info.value) == (
+        f"{path}: {field} {value!r} is not a dtype kvtui knows (known: fp32, fp16, bf16, fp8, int4)"
+    )
+
+
+def test_dtype_field_and_its_defaults(tmp_path):
+    llama = HF_CONFIGS["llama-2-7b"]
+    assert model_from_hf_config(_write(tmp_path, llama)).default_dtype == "fp16"
+    no_dtype = {k: v for k, v in llama.items() if k != "torch_dtype"}
+    assert model_from_hf_config(_write(tmp_path, no_dtype)).default_dtype == "bf16"
+    newer = {**no_dtype, "dtype": "float32"}  # newer transformers write `dtype`
+    assert model_from_hf_config(_write(tmp_path, newer)).default_dtype == "fp32"
+    assert model_from_hf_config(_write(tmp_path, HF_CONFIGS["gpt2"])).default_dtype == "fp32"
+    # A quantization_config states the storage format, whatever torch_dtype says.
+    gptq = {**llama, "torch_dtype": "int32", "quantization_config": {"quant_method": "gptq"}}
+    assert model_from_hf_config(_write(tmp_path, gptq)).default_dtype == "int4"
 
 
 def test_missing_config_file(tmp_path):

@@ -199,7 +199,7 @@ def test_overflow_advice_names_every_way_out():
     assert room // (32_768 * 131_072) == 6
     assert "batch of 6 instead of 8" in text
     assert "KV cache in fp8" in text
-    assert "A100 80GB" in text
+    assert "L40S" in text  # the smallest catalog GPU that holds it
 
 
 def test_weights_that_do_not_fit_say_so():

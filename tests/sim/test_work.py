@@ -71,38 +71,60 @@ def test_summary_is_frozen():
 # --- closed forms against brute force -------------------------------------------------------------
 
 
-@given(n=st.integers(1, 400), p=st.integers(0, 400))
+def brute_force(n: int, p: int) -> tuple[int, int]:
+    """The counting rule, step by step, as the engines apply it: the step emitting token t
+    feeds the whole sequence so far (p + t - 1 positions) without a cache; with one, the prompt
+    on the first step and the newest token after."""
+    sequence_before = [p + t - 1 for t in range(1, n + 1)]
+    return sum(sequence_before), p + (n - 1)
+
+
+@given(n=st.integers(1, 400), p=st.integers(1, 400))
 def test_totals_match_brute_force(n, p):
     naive = sum(naive_step_positions(t, p) for t in range(1, n + 1))
     cached = sum(cached_step_positions(t, p) for t in range(1, n + 1))
     s = work_summary(n, p)
-    assert naive == naive_cumulative(n, p) == s.naive_total == n * p + n * (n + 1) // 2
-    assert cached == cached_cumulative(n, p) == s.cached_total == p + n
+    assert (naive, cached) == brute_force(n, p)
+    assert naive == naive_cumulative(n, p) == s.naive_total == n * p + n * (n - 1) // 2
+    assert cached == cached_cumulative(n, p) == s.cached_total == p + n - 1
     assert s.wasted == naive - cached
-    assert s.naive_last_step == p + n
+    assert s.naive_last_step == p + n - 1
     assert s.speedup == naive / cached
 
 
-@given(t=st.integers(1, 10_000), p=st.integers(0, 10_000))
+def test_a_one_token_prompt_is_the_lesson():
+    for n in (1, 24, 32, 4096):
+        assert work_summary(n, prompt=1) == work_summary(n)
+        assert work_summary(n).naive_total == n * (n + 1) // 2
+        assert work_summary(n).cached_total == n
+
+
+def test_the_issue_s_example_44_token_prompt():
+    """24 tokens after the default 44-byte prompt: what the tiny engine computes."""
+    s = work_summary(24, prompt=44)
+    assert (s.naive_total, s.cached_total) == (1_332, 67)
+
+
+@given(t=st.integers(1, 10_000), p=st.integers(1, 10_000))
 def test_cumulative_is_a_running_sum(t, p):
     assert naive_cumulative(t, p) - naive_cumulative(t - 1, p) == naive_step_positions(t, p)
     assert cached_cumulative(t, p) - cached_cumulative(t - 1, p) == cached_step_positions(t, p)
 
 
-def test_prefill_folds_into_the_first_cached_step():
-    assert cached_step_positions(1, prompt=10) == 11
+def test_the_prefill_is_the_first_cached_step():
+    assert cached_step_positions(1, prompt=10) == 10
     assert cached_step_positions(2, prompt=10) == 1
-    assert naive_step_positions(1, prompt=10) == 11
-    assert naive_step_positions(5, prompt=10) == 15
+    assert naive_step_positions(1, prompt=10) == 10
+    assert naive_step_positions(5, prompt=10) == 14
     assert cached_cumulative(0, 10) == naive_cumulative(0, 10) == 0
 
 
 @pytest.mark.parametrize("n", [10**7, 10**12])
 def test_huge_lengths_stay_exact(n):
     s = work_summary(n, prompt=7)
-    assert s.naive_total == n * 7 + n * (n + 1) // 2
+    assert s.naive_total == n * 7 + n * (n - 1) // 2
     assert isinstance(s.naive_total, int)
-    assert s.cached_total == n + 7
+    assert s.cached_total == n + 6
 
 
 @pytest.mark.parametrize(
@@ -111,6 +133,7 @@ def test_huge_lengths_stay_exact(n):
         lambda: work_summary(0),
         lambda: work_summary(-3),
         lambda: work_summary(5, -1),
+        lambda: work_summary(5, 0),
         lambda: naive_step_positions(0),
         lambda: cached_step_positions(0),
     ],

@@ -1,0 +1,49 @@
+"""The header line takes the device's few words from the probe's `label`, not from its prose."""
+
+from __future__ import annotations
+
+from textual.app import App, ComposeResult
+
+from kvtui.probe import NullProbe
+from kvtui.widgets.header import RunHeader
+
+# A description whose prose does not split where the label ends.
+DESCRIPTION = "NVIDIA H100 80GB HBM3: MIG 1g.10gb · 9.8 GiB"
+LABEL = "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+
+
+class HeaderApp(App):
+    def compose(self) -> ComposeResult:
+        yield RunHeader()
+
+
+async def _shown(width: int, device_label: str) -> str:
+    app = HeaderApp()
+    async with app.run_test(size=(width, 3)) as pilot:
+        header = app.query_one(RunHeader)
+        header.show(
+            DESCRIPTION,
+            "sim:llama-3.1-8b@h100",
+            "bf16",
+            "running",
+            "step 3/32",
+            device_label=device_label,
+        )
+        await pilot.pause()
+        return str(header.render())
+
+
+async def test_narrow_header_shows_the_label():
+    # 86 columns (84 inside the padding) hold the label's 82, not the description's 89.
+    line = await _shown(86, device_label=LABEL)
+    assert line == f"▶ step 3/32  │  sim:llama-3.1-8b@h100 (bf16)  │  {LABEL}"
+
+
+async def test_wide_header_shows_the_description_in_full():
+    assert (await _shown(160, device_label=LABEL)).endswith(DESCRIPTION)
+
+
+def test_the_null_probe_label_is_what_the_prose_used_to_be_cut_to():
+    probe = NullProbe("NVML library not found (libnvidia-ml.so.1)")
+    assert probe.label() == "CPU, no GPU"
+    assert probe.describe().startswith(probe.label() + ": ")

@@ -1,0 +1,56 @@
+"""Screen 3 takes the probed GPU from the catalog's matcher, and only a real match."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import SETTINGS, screen_text
+from fakes import FakeEngine
+from test_screens import settle
+
+from kvtui.app import make_app
+from kvtui.screens.memory import gpu_from_probe
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("probe", "expected"),
+    [
+        ({"name": "NVIDIA L40S", "total_bytes": 46068 * MIB}, "l40s"),  # was an L4
+        ({"name": "NVIDIA A10", "total_bytes": 23028 * MIB}, "a10"),  # was no match
+        ({"name": "Tesla V100-SXM2-32GB", "total_bytes": 32510 * MIB}, "v100-32gb"),
+        ({"name": "NVIDIA A100-SXM4-40GB", "total_bytes": 40960 * MIB}, "a100-40gb"),
+        ({"name": "NVIDIA RTX A6000", "total_bytes": 48676 * MIB}, None),
+        ({"name": None, "total_bytes": None, "description": "CPU, no GPU: why"}, None),
+        ({"description": "device unknown (the probe failed)"}, None),
+        (None, None),
+    ],
+)
+def test_gpu_from_probe(probe, expected):
+    assert gpu_from_probe(probe) == expected
+
+
+def _app(probe: dict):
+    return make_app(
+        SETTINGS, 3, 24, probe=probe, engine_factory=lambda settings: FakeEngine(settings)
+    )
+
+
+async def test_screen3_budgets_for_the_probed_gpu():
+    app = _app(
+        {"description": "NVIDIA L40S · 45 GiB", "name": "NVIDIA L40S", "total_bytes": 46068 * MIB}
+    )
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(app, pilot)
+        assert app.screen.gpu == "l40s"
+        assert "NVIDIA L40S: 48 GiB" in screen_text(app)
+
+
+async def test_screen3_keeps_its_default_for_a_gpu_the_catalog_lacks():
+    probe = {"description": "NVIDIA RTX A6000 · 47.5 GiB", "name": "NVIDIA RTX A6000"}
+    app = _app({**probe, "total_bytes": 48676 * MIB})
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(app, pilot)
+        assert app.screen.gpu == "h100"
+        text = screen_text(app)
+        assert "on h100" in text and "NVIDIA RTX A6000" in text.splitlines()[0]
