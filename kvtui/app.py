@@ -33,7 +33,7 @@ from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import LiveRun
-from kvtui.screens.memory import MemoryScreen
+from kvtui.screens.memory import MemoryScreen, gpu_from_probe
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import model_names
 
@@ -139,6 +139,8 @@ class KVApp(App[int]):
     """The answer length screens 1 and 2 show, and `r` runs."""
     cache_on: reactive[bool] = reactive(True, init=False)
     """Whether screen 2 shows the cached loop beside the uncached one."""
+    device_gpu: reactive[str | None] = reactive(None, init=False)
+    """The catalog GPU this machine's device matched (by name and memory), if any."""
 
     BINDINGS = [
         Binding("1", "screen(1)", "Screens", key_display="1 2 3"),
@@ -184,13 +186,13 @@ class KVApp(App[int]):
         screens = {
             "recompute": RecomputeScreen(self.live).data_bind(KVApp.length),
             "cache": CacheScreen(self.live).data_bind(KVApp.length, KVApp.cache_on),
-            "memory": MemoryScreen(self.live),
+            "memory": MemoryScreen(self.live).data_bind(KVApp.device_gpu),
         }
         for mode, screen in screens.items():
             self.install_screen(screen, mode)
             self.add_mode(mode, mode)
         if self.config.probe is not None:
-            self.live.set_probe(self.config.probe)
+            self._probed(self.config.probe)
         else:
             self._probe_device()
         self.switch_mode(MODES[max(1, min(3, self.config.screen)) - 1])
@@ -239,7 +241,11 @@ class KVApp(App[int]):
         self.post_message(self.DeviceProbed(probe_summary()))
 
     def on_kvapp_device_probed(self, message: DeviceProbed) -> None:
-        self.live.set_probe(message.summary)
+        self._probed(message.summary)
+
+    def _probed(self, summary: dict[str, Any]) -> None:
+        self.live.set_probe(summary)
+        self.device_gpu = gpu_from_probe(summary)
 
     # --- the engine --------------------------------------------------------------------------
 

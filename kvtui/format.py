@@ -55,11 +55,6 @@ def format_bandwidth(bytes_per_s: float) -> str:
     return _decimal(bytes_per_s, "B/s")
 
 
-def format_flops(flops: float) -> str:
-    """A count of floating-point operations, decimal: 1.6e10 -> "16 GFLOP"."""
-    return _decimal(flops, "FLOP")
-
-
 def format_flops_rate(flops_per_s: float) -> str:
     """FLOP/s, decimal: 989.4e12 -> "989 TFLOP/s"."""
     return _decimal(flops_per_s, "FLOP/s")
@@ -75,8 +70,25 @@ def format_seconds(seconds: float) -> str:
 
 
 def format_ratio(ratio: float) -> str:
-    """A work or speed ratio: 16.5 -> "16.5x", 2048.5 -> "2,048.5x"."""
-    return f"{ratio:,.1f}x"
+    """A work or speed ratio, one decimal unless whole: 16.5 -> "16.5x", 24.0 -> "24x",
+    2048.5 -> "2,048.5x"."""
+    return f"{_one_decimal(ratio)}x"
+
+
+def format_count(n: int, noun: str) -> str:
+    """A count of things, with the noun in the singular or plural: "1 thread", "2 threads"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def format_tick(value: float) -> str:
+    """A chart's tick label, short: 1200 -> "1.2k", 3_000_000 -> "3M", 0.5 -> "0.5"."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            text = f"{value / scale:.1f}".rstrip("0").rstrip(".")
+            return text + suffix
+    if value == int(value):
+        return str(int(value))
+    return f"{value:.2g}"
 
 
 def format_int(n: int) -> str:

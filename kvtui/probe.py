@@ -19,7 +19,6 @@ CUDA_DEVICE_ORDER=FASTEST_FIRST can still differ from NVML's PCI order on mixed 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -288,19 +287,6 @@ def open_probe(device_index: int = 0, *, nvml: Any = None) -> DeviceProbe:
         _nvml_call(nvml, "nvmlShutdown")
         return NullProbe(reason)
     return NvmlProbe(nvml, handle, device_index)
-
-
-def nvml_available() -> bool:
-    """Cheap check, without initialising NVML: are nvidia-ml-py and the NVML library present?"""
-    import importlib.util
-
-    if importlib.util.find_spec("pynvml") is None:
-        return False
-    try:
-        ctypes.CDLL(_NVML_LIBRARY)
-    except OSError:
-        return False
-    return True
 
 
 def torch_memory(device: Any = 0, *, force: bool = False) -> TorchMemory:

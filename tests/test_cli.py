@@ -410,12 +410,14 @@ def test_format_helpers():
     from kvtui.format import (
         format_bandwidth,
         format_bytes,
+        format_count,
         format_flops_rate,
         format_int,
         format_params,
         format_percent,
         format_ratio,
         format_seconds,
+        format_tick,
     )
 
     assert format_bytes(25_165_824_000) == "23.4 GiB"
@@ -427,6 +429,16 @@ def test_format_helpers():
     assert format_int(8_390_656) == "8,390,656"
     assert format_ratio(16.5) == "16.5x"
     assert format_ratio(2048.5) == "2,048.5x"
+    assert format_ratio(24.0) == "24x"
+    assert format_ratio(16.96) == "17x"
+    assert (format_count(1, "thread"), format_count(2, "thread")) == ("1 thread", "2 threads")
+    assert [format_tick(v) for v in (1200, 3_000_000, 0.5, 40, 2e9)] == [
+        "1.2k",
+        "3M",
+        "0.5",
+        "40",
+        "2G",
+    ]
     assert format_percent(0.29296875) == "29%"
     assert format_percent(0.29296875, 1) == "29.3%"
     assert format_seconds(0.0123) == "12.3 ms"

@@ -23,7 +23,7 @@ from kvtui.engine.protocol import (
 )
 from kvtui.engine.replay import RecordWriter
 from kvtui.engine.spec import open_engine
-from kvtui.format import format_bandwidth, format_bytes, format_int, format_ratio
+from kvtui.format import format_bandwidth, format_bytes, format_count, format_int, format_ratio
 
 
 @dataclass
@@ -212,7 +212,7 @@ def format_table(r: dict) -> str:
     ]
     width = max(len(row[0]) for row in rows)
     lines = [
-        f"{r['model']} on {r['device']} ({r['dtype']}, {r['threads']} thread(s)), "
+        f"{r['model']} on {r['device']} ({r['dtype']}, {format_count(r['threads'], 'thread')}), "
         f"{r['prompt_tokens']} prompt + {r['tokens']} tokens"
     ]
     lines += [f"  {a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]

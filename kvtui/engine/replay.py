@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
@@ -115,12 +115,3 @@ class ReplayEngine:
 
     def close(self) -> None:
         pass
-
-
-def write_record(
-    path: Path, settings: RunSettings, events: Iterable[Event], **header: object
-) -> None:
-    with open(path, "w", encoding="utf-8") as out:
-        writer = RecordWriter(out, settings, **header)
-        for event in events:
-            writer.write(event)

@@ -32,10 +32,6 @@ class EngineSpec:
     path: Path | None = None
     """The record of `replay:`, the model directory of `hf:`."""
 
-    @property
-    def uses_torch(self) -> bool:
-        return self.kind in ("tiny", "shape", "hf")
-
 
 def parse_engine(name: str) -> EngineSpec:
     """The spec of an engine name; `EngineError` with one line for a malformed one."""

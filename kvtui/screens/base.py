@@ -10,6 +10,7 @@ from textual.reactive import reactive
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from kvtui.format import format_count
 from kvtui.screens.live import LiveRun
 from kvtui.widgets.header import RunHeader
 from kvtui.widgets.too_small import TooSmall, too_small
@@ -99,7 +100,7 @@ class LessonScreen(Screen):
             parts.append(started.device)
         parts.append(started.dtype)
         if started.threads > 0:
-            parts.append(f"{started.threads} thread{'s' if started.threads != 1 else ''}")
+            parts.append(format_count(started.threads, "thread"))
         return ", ".join(parts)
 
     def _status_words(self) -> str:

@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
-from kvtui.format import format_int, format_ratio, format_seconds
+from kvtui.format import format_int, format_ratio, format_seconds, format_tick
 from kvtui.screens.base import WorkScreen
 from kvtui.sim.work import (
     cached_cumulative,
@@ -21,14 +21,8 @@ from kvtui.sim.work import (
     work_summary,
 )
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points, short_number
+from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.stream import TokenStream
-
-
-def ratio_text(ratio: float) -> str:
-    """16.5 -> "16.5x", 24.0 -> "24x"."""
-    return format_ratio(ratio).replace(".0x", "x")
-
 
 CAPTION = "[$primary]━[/] without a cache   [$success]━[/] with a cache   x: answer tokens"
 CAPTION_NARROW = "[$primary]━[/] without a cache  [$success]━[/] with a cache  x: tokens"
@@ -39,9 +33,9 @@ def _axes(plt: Plot, length: int, top: float, rows: int) -> None:
     plt.xlim(1, max(2, length))
     plt.ylim(0, top)
     xt = [t for t in nice_ticks(length, 4) if t >= 1] or [1]
-    plt.xticks(xt, [short_number(t) for t in xt])
+    plt.xticks(xt, [format_tick(t) for t in xt])
     yt = fitting_ticks(top, 3, rows)
-    plt.yticks(yt, [short_number(t) for t in yt])
+    plt.yticks(yt, [format_tick(t) for t in yt])
 
 
 class CacheScreen(WorkScreen):
@@ -87,7 +81,7 @@ class CacheScreen(WorkScreen):
         speedup = self.query_one("#speedup", StatCard)
         if self.cache_on:
             with_card.value, with_card.note = format_int(w.cached_total), "positions"
-            speedup.value, speedup.note = ratio_text(w.speedup), "by count"
+            speedup.value, speedup.note = format_ratio(w.speedup), "by count"
         else:
             with_card.value, with_card.note = "off", "c turns it on"
             speedup.value, speedup.note = "1x", "no cache, no saving"
@@ -97,7 +91,7 @@ class CacheScreen(WorkScreen):
     def _show_measured(self) -> None:
         measured = self.query_one("#measured", StatCard)
         ratio = self.live.wall_speedup()
-        measured.value = ratio_text(ratio) if ratio else "…"
+        measured.value = format_ratio(ratio) if ratio else "…"
         measured.note = "wall time"
 
     def redraw(self) -> None:

@@ -16,8 +16,10 @@ from textual_plotext.plot import Plot
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
+    format_count,
     format_int,
     format_percent,
+    format_tick,
 )
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LiveRun
@@ -32,7 +34,7 @@ from kvtui.sim.catalog import (
 )
 from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points, short_number
+from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.vram import VramBar
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -107,6 +109,8 @@ class MemoryScreen(LessonScreen):
     kv_dtype: reactive[str] = reactive(LESSON_BUDGET.kv_dtype, init=False)
     batch: reactive[int] = reactive(LESSON_BUDGET.batch, init=False)
     context: reactive[int] = reactive(LESSON_BUDGET.context_tokens, init=False)
+    device_gpu: reactive[str | None] = reactive(None, init=False)
+    """The catalog GPU this machine's device matched (the App's, followed)."""
 
     def __init__(self, live: LiveRun, *, name: str | None = None) -> None:
         super().__init__(live, name=name)
@@ -249,11 +253,12 @@ class MemoryScreen(LessonScreen):
         more.update(rest)
         more.set_class(not rest, "-empty")
 
+    def watch_device_gpu(self, device_gpu: str | None) -> None:
+        """The probe matched this machine's GPU: budget it, unless one was chosen by hand."""
+        if device_gpu is not None and not self._gpu_chosen:
+            self.gpu = device_gpu
+
     def redraw(self) -> None:
-        if not self._gpu_chosen:
-            detected = gpu_from_probe(self.live.probe)
-            if detected and detected != self.gpu:
-                self.gpu = detected
         self.query_one("#live-line", Static).update(self._live_words())
         self.query_one("#memory-chart", Chart).draw(self._draw_memory)
 
@@ -265,7 +270,7 @@ class MemoryScreen(LessonScreen):
             return "[dim]The running engine's memory appears here once it starts.[/dim]"
         where = started.device.split(" (")[0]
         if started.threads > 0 and not where.startswith("sim"):
-            where += f", {started.threads} thread{'s' if started.threads != 1 else ''}"
+            where += f", {format_count(started.threads, 'thread')}"
         lines = [f"[b]Live:[/b] {started.model} on {where}"]
         measured = self.live.kv_bytes_measured()
         if measured:
@@ -306,6 +311,6 @@ class MemoryScreen(LessonScreen):
         plt.xlim(0, right)
         plt.ylim(0, top)
         xt = nice_ticks(right, 4)
-        plt.xticks(xt, [short_number(t) for t in xt])
+        plt.xticks(xt, [format_tick(t) for t in xt])
         yt = fitting_ticks(top, 4, chart.rows)
-        plt.yticks(yt, [f"{short_number(t)} GiB" for t in yt])
+        plt.yticks(yt, [f"{format_tick(t)} GiB" for t in yt])

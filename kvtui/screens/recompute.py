@@ -8,7 +8,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
-from kvtui.format import format_int, format_percent, format_ratio, format_seconds
+from kvtui.format import format_int, format_percent, format_ratio, format_seconds, format_tick
 from kvtui.screens.base import WorkScreen
 from kvtui.sim.work import work_summary
 from kvtui.widgets.cards import StatCard
@@ -19,7 +19,6 @@ from kvtui.widgets.chart import (
     nice_ticks,
     rolling_median,
     sample_points,
-    short_number,
     step_line,
 )
 from kvtui.widgets.stream import TokenStream
@@ -70,9 +69,7 @@ class RecomputeScreen(WorkScreen):
         if not self.ready:
             return
         w = work_summary(self.length)
-        self.query_one("#per-step", StatCard).value = format_ratio(w.naive_last_step).replace(
-            ".0x", "x"
-        )
+        self.query_one("#per-step", StatCard).value = format_ratio(w.naive_last_step)
         self.query_one("#per-step", StatCard).note = "the last step"
         self.query_one("#total", StatCard).value = format_int(w.naive_total)
         self.query_one("#total", StatCard).note = "positions"
@@ -126,7 +123,7 @@ class RecomputeScreen(WorkScreen):
             )
         plt.ylim(0, length * 1.05)
         left = fitting_ticks(length, 4, chart.rows)
-        plt.yticks(left, [short_number(t) for t in left])
+        plt.yticks(left, [format_tick(t) for t in left])
         plt.xlim(0.5, length + 0.5)
         xt = [t for t in nice_ticks(length, 5) if t >= 1] or [1]
-        plt.xticks(xt, [short_number(t) for t in xt])
+        plt.xticks(xt, [format_tick(t) for t in xt])

@@ -31,7 +31,6 @@ from kvtui.sim.catalog import (
     ModelSpec,
     dtype_bytes,
     get_gpu,
-    get_model,
     gpu_names,
     normalize_dtype,
 )
@@ -247,14 +246,6 @@ def budget(
         gpu_label=gpu.display_name,
     )
     return _with_advice(result, spec, gpu)
-
-
-def lesson_budget() -> Budget:
-    """The budget of LESSON_BUDGET: the memory card's 23.4 GiB of KV, 29% of an 80 GiB H100."""
-    s = LESSON_BUDGET
-    return budget(
-        get_model(s.model), get_gpu(s.gpu), s.context_tokens, s.batch, s.kv_dtype, s.weights_dtype
-    )
 
 
 def _with_advice(b: Budget, spec: ModelSpec, gpu: GPUSpec) -> Budget:

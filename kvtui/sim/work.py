@@ -184,22 +184,6 @@ def uncached_step_bytes(
     return _weights_read_bytes(spec, weights_dtype) + kv_bytes(spec, positions, 1, kv_dtype)
 
 
-def arithmetic_intensity(
-    spec: ModelSpec,
-    context_tokens: int,
-    weights_dtype: str = "bf16",
-    kv_dtype: str = "bf16",
-    batch: int = 1,
-) -> float:
-    """FLOPs per byte read by one cached decode step.
-
-    About 1 at batch 1 in bf16 (2 FLOPs per 2-byte weight), far below any GPU's ridge point
-    (`GPUSpec.ridge_flops_per_byte`, hundreds of FLOPs per byte): decode is memory-bound.
-    """
-    flops = decode_step_flops(spec, context_tokens, batch)
-    return flops / decode_step_bytes(spec, context_tokens, weights_dtype, kv_dtype, batch)
-
-
 def roofline_seconds(flops: float, bytes_read: float, gpu: GPUSpec) -> float:
     """The least time a step can take on `gpu`: the slower of its compute and its memory reads
     at peak (Williams, Waterman and Patterson 2009, "Roofline")."""

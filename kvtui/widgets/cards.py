@@ -88,8 +88,3 @@ class StatCard(Widget):
             digits.update(self.value)
         else:
             text.update(self.value)
-
-    @property
-    def shown(self) -> str:
-        """The figure as plain text (for tests and screen readers)."""
-        return self.value

@@ -147,14 +147,3 @@ def fitting_ticks(top: float, count: int, rows: int, bottom: float = 0.0) -> lis
         if len(ticks) <= most:
             return ticks
     return ticks[:: -(-len(ticks) // most)]
-
-
-def short_number(value: float) -> str:
-    """A tick label: 1200 -> "1.2k", 3_000_000 -> "3M", 0.5 -> "0.5"."""
-    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
-            text = f"{value / scale:.1f}".rstrip("0").rstrip(".")
-            return text + suffix
-    if value == int(value):
-        return str(int(value))
-    return f"{value:.2g}"

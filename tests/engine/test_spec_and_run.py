@@ -20,7 +20,7 @@ from kvtui.engine.protocol import (
     StepSample,
     run_events,
 )
-from kvtui.engine.replay import read_record, write_record
+from kvtui.engine.replay import RecordWriter, read_record
 from kvtui.engine.spec import open_engine
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, weights_bytes
@@ -87,6 +87,13 @@ def test_sim_refuses_weights_that_do_not_fit():
 def test_sim_bad_names(engine):
     with pytest.raises(EngineError):
         open_engine(RunSettings(engine=engine))
+
+
+def write_record(path, settings, events, **header) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        writer = RecordWriter(out, settings, **header)
+        for event in events:
+            writer.write(event)
 
 
 def test_record_then_replay_gives_the_same_samples(tmp_path):

@@ -16,13 +16,18 @@ from kvtui.sim.memory import (
     budget,
     kv_bytes,
     kv_bytes_per_token,
-    lesson_budget,
     max_context_tokens,
     vram_split,
     weights_bytes,
 )
 
 # --- the lesson's memory card: "23.4 GB of KV on an 80 GB GPU is 29% and fits" --------------------
+
+
+def lesson_budget() -> Budget:
+    s = LESSON_BUDGET
+    spec, gpu = get_model(s.model), get_gpu(s.gpu)
+    return budget(spec, gpu, s.context_tokens, s.batch, s.kv_dtype, s.weights_dtype)
 
 
 def test_lesson_memory_card():

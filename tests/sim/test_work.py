@@ -11,7 +11,6 @@ from kvtui.sim.catalog import get_gpu, get_model, model_names
 from kvtui.sim.memory import kv_bytes, weights_bytes
 from kvtui.sim.work import (
     WorkSummary,
-    arithmetic_intensity,
     attention_flops,
     cached_cumulative,
     cached_step_positions,
@@ -201,10 +200,12 @@ def test_decode_bytes_are_weights_plus_cache():
 
 def test_decode_is_memory_bound_at_batch_1():
     spec, gpu = get_model("llama-3.1-8b"), get_gpu("h100")
-    intensity = arithmetic_intensity(spec, 1024)
-    assert 0.9 < intensity < 1.1  # one multiply-add per 2-byte weight
-    assert intensity < gpu.ridge_flops_per_byte
-    assert arithmetic_intensity(spec, 1024, batch=64) > 30 * intensity / 2
+    def intensity(batch: int) -> float:
+        return decode_step_flops(spec, 1024, batch) / decode_step_bytes(spec, 1024, batch=batch)
+
+    assert 0.9 < intensity(1) < 1.1  # one multiply-add per 2-byte weight
+    assert intensity(1) < gpu.ridge_flops_per_byte
+    assert intensity(64) > 30 * intensity(1) / 2
 
 
 def test_roofline_takes_the_slower_of_compute_and_memory():
