@@ -29,7 +29,7 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings
+from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import LiveRun
@@ -74,8 +74,6 @@ class AppConfig:
     settings: RunSettings = field(default_factory=RunSettings)
     screen: int = 1
     """The screen to open on: 1, 2 or 3."""
-    length: int = 24
-    """The answer length the work cards start at (1 to 4,096)."""
     probe: dict[str, Any] | None = None
     """A device probe summary to show; None probes the device at startup, off the UI thread."""
     autostart: bool = True
@@ -135,8 +133,8 @@ class KVApp(App[int]):
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
     """Size classes on every screen, for the stylesheet: 80x24 is -narrow -short."""
 
-    length: reactive[int] = reactive(24, init=False)
-    """The answer length screens 1 and 2 show, and `r` runs."""
+    length: reactive[int] = reactive(256, init=False)
+    """The answer length: `r` runs this many tokens (screens 1 and 2 show the run's own)."""
     cache_on: reactive[bool] = reactive(True, init=False)
     """Whether screen 2 shows the cached loop beside the uncached one."""
     device_gpu: reactive[str | None] = reactive(None, init=False)
@@ -147,7 +145,8 @@ class KVApp(App[int]):
         Binding("2", "screen(2)", "Cache", show=False),
         Binding("3", "screen(3)", "Memory", show=False),
         Binding("space", "pause", "Pause"),
-        Binding("r", "restart", "Restart"),
+        Binding("r", "restart", "Run"),
+        Binding("l", "lesson", "Lesson", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit", priority=True),
     ]
@@ -178,7 +177,7 @@ class KVApp(App[int]):
         self.live = LiveRun(config.settings)
         self.engine: EngineHandle | None = None
         self._run_id = 0
-        self.set_reactive(KVApp.length, self.validate_length(config.length))
+        self.set_reactive(KVApp.length, self.validate_length(config.settings.tokens))
 
     # --- startup and screens -----------------------------------------------------------------
 
@@ -210,7 +209,15 @@ class KVApp(App[int]):
     # --- the answer length and the cache toggle (screens 1 and 2 follow them) -----------------
 
     def validate_length(self, length: int) -> int:
-        return max(MIN_LENGTH, min(MAX_LENGTH, int(length)))
+        return max(MIN_LENGTH, min(self.longest_run(), int(length)))
+
+    def longest_run(self) -> int:
+        """The most tokens a run may generate: MAX_LENGTH, or fewer where the running model's
+        positions (prompt + answer) run out first."""
+        started = self.live.started
+        if started is None or started.max_positions is None:
+            return MAX_LENGTH
+        return max(MIN_LENGTH, min(MAX_LENGTH, started.max_positions - started.prompt_tokens))
 
     def action_longer(self) -> None:
         self.length += length_step(self.length)
@@ -262,15 +269,22 @@ class KVApp(App[int]):
         self.notify(f"Restarted with engine {engine}", timeout=3)
 
     def action_restart(self) -> None:
-        """Restart the run; long enough for the chosen answer length (up to MAX_LENGTH)."""
-        settings, started = self.live.settings, self.live.started
-        wanted = self.length
-        if started is not None and started.max_positions is not None:
-            wanted = min(wanted, started.max_positions - started.prompt_tokens)
-        if wanted > settings.tokens:
-            settings = replace(settings, tokens=wanted)
-            self.notify(f"Restarted for {wanted:,} tokens", timeout=3)
-        self.start_run(settings)
+        """Run again, exactly the chosen length."""
+        self.start_run(replace(self.live.settings, tokens=self.length))
+
+    def action_lesson(self) -> None:
+        """Lesson mode on (a one-token prompt, 24 tokens: the lesson's figures, measured) or off
+        (the full prompt again, at the same length); the run restarts either way."""
+        lesson = not self.live.settings.lesson
+        if lesson:
+            self.length = 24
+        self.start_run(replace(self.live.settings, lesson=lesson, tokens=self.length))
+        self.notify(
+            "Lesson mode: a one-token prompt, so the counts are the lesson's"
+            if lesson
+            else "Lesson mode off: the full prompt",
+            timeout=4,
+        )
 
     def action_pause(self) -> None:
         if self.engine is None:
@@ -353,10 +367,16 @@ class KVApp(App[int]):
         for event in message.events:
             told = self.live.failure
             self.live.apply(event)
+            if isinstance(event, RunStarted):
+                self.length = self.length  # capped now that the model's limit is known
             if isinstance(event, RunFinished) and event.message and event.message != told:
+                fix = (
+                    f" r runs {self.length:,} tokens (at most {self.longest_run():,} fit)."
+                    if event.reason == "error"
+                    else ""
+                )
                 self.notify(
-                    f"The {event.loop} loop stopped: {event.message}."
-                    + (" Shorten the length, then press r." if event.reason == "error" else ""),
+                    f"The {event.loop} loop stopped: {event.message}." + fix,
                     title="Engine stopped",
                     severity="error" if event.reason == "error" else "warning",
                     timeout=8,
@@ -400,7 +420,6 @@ class KVApp(App[int]):
 def make_app(
     settings: RunSettings | None = None,
     screen: int = 1,
-    length: int = 24,
     *,
     probe: dict[str, Any] | None = None,
     engine_factory: EngineFactory = engine_process,
@@ -410,16 +429,15 @@ def make_app(
     config = AppConfig(
         settings=settings or RunSettings(),
         screen=screen,
-        length=length,
         probe=probe,
         autostart=autostart,
     )
     return KVApp(config, engine_factory)
 
 
-def run_app(settings: RunSettings, screen: int = 1, length: int = 24) -> int:
-    """Open the app on a screen with an answer length, run it, and return its exit code."""
-    app = make_app(settings, screen, length)
+def run_app(settings: RunSettings, screen: int = 1) -> int:
+    """Open the app on a screen, run it, and return its exit code."""
+    app = make_app(settings, screen)
     try:
         result = app.run()
     finally:

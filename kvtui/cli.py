@@ -12,14 +12,19 @@ parser and calls `set_defaults(handler=cmd_NAME)`; list it in `build_parser`.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import io
 import json
+import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from kvtui import __version__
-from kvtui.engine.protocol import DEFAULT_PROMPT, EngineError, RunSettings
+from kvtui.engine.protocol import DEFAULT_PROMPT, MAX_TOKENS, EngineError, RunSettings
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
@@ -28,8 +33,11 @@ from kvtui.format import (
     format_params,
     format_percent,
     format_ratio,
+    safe_text,
 )
+from kvtui.inputs import argv_text
 from kvtui.sim.catalog import (
+    MAX_SIZE,
     ConfigError,
     UnknownNameError,
     dtype_names,
@@ -44,6 +52,22 @@ from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, budget, kv_bytes_per_token
 from kvtui.sim.work import cached_step_positions, work_summary
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+"""Ctrl-C, as a shell reports it (128 + SIGINT)."""
+
+MAX_CONTEXT = MAX_SIZE
+"""The longest context `work` and `budget` take: 16,777,216 tokens, as long as a config may state
+(kvtui.sim.catalog.MAX_SIZE); past Llama 4 Scout's 10M, the longest published."""
+MAX_BATCH = 65_536
+"""The largest `budget --batch`: far past any one GPU's serving batch (vLLM's default is 256),
+and with MAX_CONTEXT it keeps every figure of a budget an exact integer a float can hold."""
+MAX_SEED = 2**63 - 1
+"""The largest seed: torch's generator takes 64 bits."""
+MAX_THREADS = 1024
+TEMPERATURE_RANGE = (0.01, 100.0)
+"""Below 0.01 the logits overflow float32 (use --greedy); above 100 every token is as likely."""
+REPLAY_SPEED_RANGE = (0.01, 1000.0)
+"""0, or this: a step never sleeps more than 100x its recorded (or roofline) time."""
 
 
 class UsageError(Exception):
@@ -72,14 +96,55 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """An argparse type: a number above 0."""
+    """An argparse type: a finite number above 0."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}") from None
-    if not value > 0:
+    if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
     return value
+
+
+def _shown(text: str) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` (underscores and commas allowed)."""
+    what = (
+        f"a positive integer up to {high:,}" if low == 1 else f"an integer from {low:,} to {high:,}"
+    )
+
+    def parse(text: str) -> int:
+        try:
+            value = int(str(text).replace(",", ""))
+        except ValueError:  # not a number, or more digits than int() converts
+            raise argparse.ArgumentTypeError(f"expected {what}, not {_shown(text)}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"expected {what}, not {_shown(text)}")
+        return value
+
+    parse.__name__ = f"int_in({low}, {high})"
+    return parse
+
+
+def float_in(low: float, high: float, *, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number from `low` to `high` (or exactly 0, with `zero`)."""
+    what = f"{'0 or ' if zero else ''}a number from {low:g} to {high:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, not {_shown(text)}") from None
+        if not (low <= value <= high or zero and value == 0):
+            raise argparse.ArgumentTypeError(f"expected {what}, not {_shown(text)}")
+        return value
+
+    parse.__name__ = f"float_in({low}, {high})"
+    return parse
 
 
 def dtype_arg(text: str) -> str:
@@ -94,7 +159,7 @@ def dtype_arg(text: str) -> str:
 
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2))
+    print(json.dumps(data, indent=2, allow_nan=False))  # JSON has no NaN or Infinity
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
@@ -155,8 +220,9 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(b.to_json())
         return 0
+    label = safe_text(b.model_label, one_line=True)  # a config's folder name
     print(
-        f"{b.model_label} on the {b.gpu_label}: batch {b.batch} x {format_int(b.context_tokens)} "
+        f"{label} on the {b.gpu_label}: batch {b.batch} x {format_int(b.context_tokens)} "
         f"tokens, KV cache in {b.kv_dtype}, weights in {b.weights_dtype}"
     )
     per_token = f"{format_int(b.kv_bytes_per_token)} bytes/token"
@@ -198,7 +264,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
     else:
         print(f"Longest context that fits: {format_int(b.max_context_tokens)} tokens.")
     for line in b.advice:
-        print(f"- {line}")
+        print(f"- {safe_text(line, one_line=True)}")  # names a config's folder
     return 0
 
 
@@ -272,11 +338,13 @@ def cmd_app(args: argparse.Namespace) -> int:
         raise UsageError(f"kvtui: {exc}") from None
     from kvtui.app import run_app
 
-    return int(run_app(settings, screen=args.screen, length=args.length) or 0)
+    return int(run_app(settings, screen=args.screen) or 0)
 
 
 DEFAULT_APP_TOKENS = 256
 """Tokens the app's run generates unless `--tokens` says otherwise."""
+LESSON_TOKENS = 24
+"""Tokens a `--lesson` run generates unless `--tokens` says otherwise: the lesson's example."""
 
 
 # --- the parser ----------------------------------------------------------------------------------
@@ -284,14 +352,19 @@ DEFAULT_APP_TOKENS = 256
 
 def _add_work(subparsers: Any) -> None:
     p = subparsers.add_parser("work", help="positions computed with and without a KV cache")
-    p.add_argument("--length", type=positive_int, required=True, help="tokens generated (n)")
+    p.add_argument(
+        "--length",
+        type=int_in(1, MAX_CONTEXT),
+        required=True,
+        help=f"tokens generated (n), at most {MAX_CONTEXT:,}",
+    )
     p.add_argument(
         "--prompt",
         dest="prompt_tokens",
-        type=positive_int,
+        type=int_in(1, MAX_CONTEXT),
         default=1,
         metavar="P",
-        help="prompt tokens before them (default 1: the lesson's figures)",
+        help=f"prompt tokens before them (default 1, the lesson's; at most {MAX_CONTEXT:,})",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_work)
@@ -303,8 +376,18 @@ def _add_budget(subparsers: Any) -> None:
     which.add_argument("--model", help=f"a catalog model: {', '.join(model_names())}")
     which.add_argument("--config", metavar="PATH", help="a Hugging Face config.json")
     p.add_argument("--gpu", required=True, help=f"a catalog GPU: {', '.join(gpu_names())}")
-    p.add_argument("--context", type=positive_int, required=True, help="tokens per sequence")
-    p.add_argument("--batch", type=positive_int, default=1, help="sequences held at once")
+    p.add_argument(
+        "--context",
+        type=int_in(1, MAX_CONTEXT),
+        required=True,
+        help=f"tokens per sequence, at most {MAX_CONTEXT:,}",
+    )
+    p.add_argument(
+        "--batch",
+        type=int_in(1, MAX_BATCH),
+        default=1,
+        help=f"sequences held at once (default 1, at most {MAX_BATCH:,})",
+    )
     dtypes = ", ".join(dtype_names())
     p.add_argument("--kv-dtype", type=dtype_arg, default="bf16", help=f"KV cache: {dtypes}")
     p.add_argument("--weights-dtype", type=dtype_arg, default="bf16", help=f"weights: {dtypes}")
@@ -341,31 +424,58 @@ def _add_run_options(group: Any, *, app: bool) -> None:
         metavar="DIR",
         help="a local Hugging Face model directory (same as --engine hf:DIR; needs kvtui[hf])",
     )
-    group.add_argument("--tokens", type=positive_int, default=None, help="tokens to generate")
+    group.add_argument(
+        "--tokens",
+        *(["--length"] if app else []),
+        dest="tokens",
+        type=int_in(1, MAX_TOKENS),
+        default=None,
+        help="tokens to generate (the answer length; default 256, 24 with --lesson; at most "
+        f"{MAX_TOKENS:,}, and prompt + tokens at most the model's positions)",
+    )
     group.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
-    group.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    group.add_argument(
+        "--seed",
+        type=int_in(0, MAX_SEED),
+        default=0,
+        help="sampling seed (default 0; 0 to 2^63-1)",
+    )
     group.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     group.add_argument(
-        "--temperature", type=positive_float, default=0.8, help="sampling temperature (default 0.8)"
+        "--lesson",
+        action="store_true",
+        help="a one-token prompt (the prompt's first): the counts are then the lesson's exactly",
+    )
+    low, high = TEMPERATURE_RANGE
+    group.add_argument(
+        "--temperature",
+        type=float_in(low, high),
+        default=0.8,
+        help=f"sampling temperature (default 0.8; {low:g} to {high:g})",
     )
     group.add_argument(
-        "--top-k", type=positive_int, default=40, help="sample from the k likeliest (default 40)"
+        "--top-k",
+        type=int_in(1, MAX_SIZE),
+        default=40,
+        help=f"sample from the k likeliest (default 40; at most {MAX_SIZE:,})",
     )
     group.add_argument(
-        "--threads", type=positive_int, default=1, help="torch threads in the engine (default 1)"
+        "--threads",
+        type=int_in(1, MAX_THREADS),
+        default=1,
+        help=f"torch threads in the engine (default 1; at most {MAX_THREADS:,})",
     )
+    low, high = REPLAY_SPEED_RANGE
     group.add_argument(
         "--replay-speed",
-        type=float,
+        type=float_in(low, high, zero=True),
         default=1.0,
-        help="replay:/sim: pace, 1 = recorded or roofline time, 0 = as fast as possible",
+        help="replay:/sim: pace, 1 = recorded or roofline time, 0 = as fast as possible "
+        f"(else {low:g} to {high:g})",
     )
     if app:
         group.add_argument(
             "--screen", type=int, choices=[1, 2, 3], default=1, help="the screen to open first"
-        )
-        group.add_argument(
-            "--length", type=positive_int, default=24, help="answer length on screen 1 (default 24)"
         )
 
 
@@ -374,14 +484,15 @@ def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSett
     return RunSettings(
         engine=f"hf:{args.model}" if args.model else args.engine,
         device=args.device,
-        tokens=args.tokens or default_tokens,
-        prompt=args.prompt,
+        tokens=args.tokens or (LESSON_TOKENS if args.lesson else default_tokens),
+        prompt=argv_text(args.prompt),  # bytes that were not UTF-8 become U+FFFD
         seed=args.seed,
         greedy=args.greedy,
         temperature=args.temperature,
         top_k=args.top_k,
         threads=args.threads,
         replay_speed=args.replay_speed,
+        lesson=args.lesson,
     )
 
 
@@ -396,21 +507,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else (lambda line: None)
     )
     try:
-        result = run_bench(settings, record=args.record, progress=progress)
+        result = run_bench(settings, record=args.record, force=args.force, progress=progress)
     except EngineError as exc:
         raise UsageError(f"kvtui bench: {exc}") from None
-    except OSError as exc:
-        raise UsageError(f"kvtui bench: cannot write {args.record}: {exc.strerror}") from None
-    if sys.stderr.isatty():
-        print("\r", end="", file=sys.stderr)
+    finally:
+        if sys.stderr.isatty():
+            print("\r", end="", file=sys.stderr)
     if args.json:
         _print_json(result)
     else:
         print(format_table(result))
     if args.record:
-        print(
-            f"recorded to {args.record}; replay with --engine replay:{args.record}", file=sys.stderr
-        )
+        record = safe_text(str(args.record), one_line=True)
+        _say(f"recorded to {record}; replay with --engine replay:{record}")
     return 0
 
 
@@ -421,10 +530,18 @@ def _add_bench(subparsers: Any) -> None:
         "--record",
         type=Path,
         metavar="FILE",
-        help="write every step as JSON lines, for replay:FILE",
+        help="write every step as JSON lines, for replay:FILE (written whole when the run ends, "
+        "Ctrl-C included; never over an existing file without --force, never through a link)",
     )
+    p.add_argument("--force", action="store_true", help="let --record replace an existing file")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_bench)
+
+
+def _add_serve(subparsers: Any) -> None:
+    from kvtui.serve import add_parser  # its parser and handler; textual-serve only when serving
+
+    add_parser(subparsers)
 
 
 SUBCOMMANDS: list[Callable[[Any], None]] = [
@@ -433,6 +550,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     _add_models,
     _add_gpus,
     _add_bench,
+    _add_serve,
 ]
 """Builders of the subcommands' parsers, in the order `--help` lists them."""
 
@@ -452,21 +570,78 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _say(line: str) -> None:
+    """One line on stderr, where a closed or full stderr is not worth a traceback."""
+    with contextlib.suppress(OSError, ValueError):
+        print(safe_text(line, one_line=True), file=sys.stderr)
+
+
+class _OutputError(Exception):
+    """Writing to stdout failed (a full disk, a closed descriptor): one line, exit status 2."""
+
+
+def _flush_stdout() -> None:
+    if sys.stdout is None:  # started with stdout closed: what was printed went nowhere
+        return
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise _OutputError(getattr(exc, "strerror", None) or str(exc)) from None
+
+
+def _abandon_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so that the interpreter's own last flush of what
+    is still buffered succeeds, rather than printing "Exception ignored" and exiting 120."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; the exit status is returned, not raised."""
+    """Run the command line; the exit status is returned, not raised. Bad input, and output
+    that cannot be written, are one line on stderr (control characters escaped) and exit 2."""
+    if hasattr(sys.stdout, "reconfigure"):  # a character the terminal cannot show is escaped
+        with contextlib.suppress(ValueError, io.UnsupportedOperation):
+            sys.stdout.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
         handler = getattr(args, "handler", None) or cmd_app
-        return handler(args)
+        code = handler(args)
+        _flush_stdout()
+        return code
     except UsageError as exc:
-        print(exc, file=sys.stderr)
+        _say(str(exc))
         return EXIT_USAGE
     except (UnknownNameError, ConfigError) as exc:
-        print(f"kvtui: error: {exc}", file=sys.stderr)
+        _say(f"kvtui: error: {exc}")
         return EXIT_USAGE
+    except KeyboardInterrupt as exc:
+        _say(f"kvtui: {exc}" if str(exc) else "kvtui: interrupted")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `kvtui bench | head`: the reader left, nothing more to say
-        sys.stdout = None
+        _abandon_stdout()
         return 0
+    except _OutputError as exc:
+        _abandon_stdout()
+        _say(f"kvtui: error: cannot write the output: {exc}")
+        return EXIT_USAGE
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRNOS:
+            raise
+        _abandon_stdout()  # print() found stdout full or gone mid-way
+        _say(f"kvtui: error: cannot write the output: {exc.strerror}")
+        return EXIT_USAGE
     except SystemExit as exc:  # --help and --version print and exit 0
+        try:
+            _flush_stdout()
+        except (_OutputError, BrokenPipeError):
+            _abandon_stdout()
         return exc.code if isinstance(exc.code, int) else 0
+
+
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EBADF, errno.EIO, errno.EFBIG, errno.EDQUOT}
+"""What print() raises when stdout is a full disk, a closed descriptor or a lost terminal."""

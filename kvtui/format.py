@@ -4,10 +4,13 @@ Conventions, used everywhere in kvtui:
 - memory sizes are binary (1 GiB = 2**30 bytes) and say so: "23.4 GiB". A GPU's "80 GB" on its
   datasheet is 80 GiB of memory, so both sides of a budget use the same unit;
 - rates are decimal, as vendors state them: "3.35 TB/s", "989 TFLOP/s";
-- one decimal place, dropped when it rounds to a whole number ("80 GiB", "23.4 GiB").
+- one decimal place, dropped when it rounds to a whole number ("80 GiB", "23.4 GiB");
+- text that came from a file or a model goes through `safe_text` before it reaches a terminal.
 """
 
 from __future__ import annotations
+
+import re
 
 _BINARY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _DECIMAL_PREFIXES = ("", "k", "M", "G", "T", "P", "E")
@@ -109,3 +112,20 @@ def format_params(n: int) -> str:
             text = f"{value:.0f}" if value >= 100 else f"{value:.3g}"
             return f"{text}{suffix}"
     return str(n)
+
+
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+_UNSAFE_LINE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def safe_text(text: str, *, one_line: bool = False) -> str:
+    """Text from a file, a model or a command line, safe to print on a terminal: C0 control
+    characters (ESC among them) but newline and tab, DEL, the C1 controls and lone surrogates are
+    written as escapes ("\\x1b", "\\x9b", "\\udcff"), so that no part of it can move the cursor,
+    retitle the window or fail to encode. `one_line` escapes newline and tab too."""
+    return (_UNSAFE_LINE if one_line else _UNSAFE).sub(_escape, str(text))

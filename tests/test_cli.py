@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -336,10 +337,9 @@ def test_app_options_parse_without_a_subcommand():
             "cpu",
             "--screen",
             "2",
-            "--length",
-            "32",
             "--tokens",
             "64",
+            "--lesson",
             "--prompt",
             "It is a truth",
             "--seed",
@@ -348,13 +348,14 @@ def test_app_options_parse_without_a_subcommand():
         ]
     )
     assert args.command is None
-    assert (args.engine, args.device, args.screen, args.length, args.tokens) == (
+    assert (args.engine, args.device, args.screen, args.tokens, args.lesson) == (
         "sim:llama-3.1-8b@h100",
         "cpu",
         2,
-        32,
         64,
+        True,
     )
+    assert build_parser().parse_args(["--length", "32"]).tokens == 32  # --length is --tokens
     assert (args.prompt, args.seed, args.greedy) == ("It is a truth", 3, True)
 
 
@@ -477,3 +478,32 @@ def test_budget_refuses_a_config_with_an_unknown_dtype(capsys, tmp_path):
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"{config}: torch_dtype 'float7' is not a dtype kvtui knows" in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["gpus"], ["models", "--json"]])
+def test_a_full_stdout_is_one_line_not_a_traceback(argv):
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvtui", *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "kvtui: error: cannot write the output: No space left on device\n"
+
+
+def test_a_closed_stdout_is_not_a_traceback():
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtui", "gpus"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert done.returncode == 0 and done.stderr == ""
+    done = subprocess.run(
+        f"{sys.executable} -m kvtui gpus >&-", shell=True, stderr=subprocess.PIPE, text=True
+    )
+    assert done.returncode in (0, 2) and "Traceback" not in done.stderr

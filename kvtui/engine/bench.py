@@ -2,17 +2,31 @@
 
 The engine runs in this process (there is no UI to fight for the GIL), the cached loop first and
 then the uncached one, each to its end, so that their step times do not interleave.
+
+Memory stays bounded: each step is kept as a few numbers in arrays (about 40 bytes, not a
+360-byte StepSample), with at most MAX_TEXT_CHARS of text, and a run has at most MAX_TOKENS steps
+per loop (kvtui.engine.spec.check_run). Every float of the summary is finite or None, so its JSON
+is JSON. `--record FILE` writes to a temporary file beside FILE and renames it onto FILE when the
+run ends, Ctrl-C included (the loops then end "cancelled"), so FILE is either untouched or a
+whole, replayable record; an existing FILE is replaced only with `force`, and never a link.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import statistics
+import tempfile
 import time
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import IO, Any
 
 from kvtui.engine.protocol import (
+    EngineError,
     Event,
     RunFailed,
     RunFinished,
@@ -23,19 +37,65 @@ from kvtui.engine.protocol import (
 )
 from kvtui.engine.replay import RecordWriter
 from kvtui.engine.spec import open_engine
-from kvtui.format import format_bandwidth, format_bytes, format_count, format_int, format_ratio
+from kvtui.format import (
+    format_bandwidth,
+    format_bytes,
+    format_count,
+    format_int,
+    format_ratio,
+    safe_text,
+)
+
+MAX_TEXT_CHARS = 65_536
+"""The most generated text a summary keeps (its table shows the first 200 characters)."""
+
+
+@dataclass
+class _Series:
+    """One loop's steps as columns of numbers: what the summary needs of each, and no more."""
+
+    token_ids: array = field(default_factory=lambda: array("q"))
+    seconds: array = field(default_factory=lambda: array("d"))
+    positions: array = field(default_factory=lambda: array("q"))
+    work: int = 0
+    """Positions computed, summed."""
+    text: list[str] = field(default_factory=list)
+    text_chars: int = 0
+    bandwidth: array = field(default_factory=lambda: array("d"))
+    """Bytes read per second of each step after the first (a prefill, in the cached loop)."""
+    intensity: list[float] = field(default_factory=list)
+    """FLOPs per byte read of each step after the first."""
+
+    def add(self, s: StepSample) -> None:
+        first = not self.seconds
+        self.token_ids.append(s.token_id)
+        self.seconds.append(s.step_seconds)
+        self.positions.append(s.position)
+        self.work += s.positions_computed
+        if self.text_chars < MAX_TEXT_CHARS:
+            piece = s.text[: MAX_TEXT_CHARS - self.text_chars]
+            self.text.append(piece)
+            self.text_chars += len(piece)
+        if not first:
+            if s.step_seconds > 0:
+                self.bandwidth.append(s.bytes_read / s.step_seconds)
+            if s.bytes_read > 0:
+                self.intensity.append(s.flops / s.bytes_read)
+
+    def __len__(self) -> int:
+        return len(self.seconds)
 
 
 @dataclass
 class _Collected:
     started: RunStarted | None = None
-    steps: dict[str, list[StepSample]] = field(
-        default_factory=lambda: {"cached": [], "uncached": []}
+    steps: dict[str, _Series] = field(
+        default_factory=lambda: {"cached": _Series(), "uncached": _Series()}
     )
     finished: dict[str, RunFinished] = field(default_factory=dict)
 
 
-def loop_stats(steps: list[StepSample]) -> dict:
+def loop_stats(steps: _Series) -> dict:
     """Throughput and step-time shape of one loop (times in ms)."""
     if not steps:
         return {
@@ -48,8 +108,8 @@ def loop_stats(steps: list[StepSample]) -> dict:
             "total_s": 0.0,
             "ms_per_position": None,
         }
-    ms = [s.step_seconds * 1e3 for s in steps]
-    total = sum(s.step_seconds for s in steps)
+    ms = [seconds * 1e3 for seconds in steps.seconds]
+    total = sum(steps.seconds)
     q = max(1, len(ms) // 4)
     return {
         "tokens": len(steps),
@@ -59,7 +119,7 @@ def loop_stats(steps: list[StepSample]) -> dict:
         "step_ms_last_quartile": statistics.median(ms[-q:]),
         "step_ms_p99": sorted(ms)[min(len(ms) - 1, int(0.99 * len(ms)))],
         "total_s": total,
-        "ms_per_position": _slope([s.position for s in steps[1:]], ms[1:]),
+        "ms_per_position": _slope(steps.positions[1:].tolist(), ms[1:]),
     }
 
 
@@ -75,98 +135,223 @@ def _slope(xs: list[int], ys: list[float]) -> float | None:
 def summarize(c: _Collected, settings: RunSettings) -> dict:
     started = c.started
     cached, uncached = c.steps["cached"], c.steps["uncached"]
-    ids_c, ids_u = [s.token_id for s in cached], [s.token_id for s in uncached]
+    ids_c, ids_u = cached.token_ids.tolist(), uncached.token_ids.tolist()
     divergence = next(
         (i for i, (a, b) in enumerate(zip(ids_c, ids_u, strict=False)) if a != b), None
     )
     if divergence is None and len(ids_c) != len(ids_u):
         divergence = min(len(ids_c), len(ids_u))
     stats_c, stats_u = loop_stats(cached), loop_stats(uncached)
-    work_c = sum(s.positions_computed for s in cached)
-    work_u = sum(s.positions_computed for s in uncached)
-    decode_steps = cached[1:]
-    achieved = (
-        statistics.median(s.bytes_read / s.step_seconds for s in decode_steps if s.step_seconds > 0)
-        if decode_steps
-        else None
-    )
-    intensity = (
-        statistics.fmean(s.flops / s.bytes_read for s in decode_steps) if decode_steps else None
-    )
+    work_c, work_u = cached.work, uncached.work
+    achieved = statistics.median(cached.bandwidth) if cached.bandwidth else None
+    intensity = statistics.fmean(cached.intensity) if cached.intensity else None
     finished_c = c.finished.get("cached")
     P = started.prompt_tokens
-    return {
-        "engine": settings.engine,
-        "device": started.device,
-        "model": started.model,
-        "dtype": started.dtype,
-        "threads": started.threads,
-        "prompt_tokens": P,
-        "tokens": started.tokens,
-        "seed": settings.seed,
-        "greedy": settings.greedy,
-        "text": "".join(s.text for s in (cached or uncached)),
-        "token_ids": ids_c or ids_u,
-        "identical": bool(cached) and bool(uncached) and divergence is None,
-        "first_divergence": divergence,
-        "cached": {**stats_c, "finished": finished_c.reason if finished_c else None},
-        "uncached": {
-            **stats_u,
-            "finished": c.finished["uncached"].reason if "uncached" in c.finished else None,
-        },
-        "speedup_wall": stats_u["total_s"] / stats_c["total_s"]
-        if stats_c["total_s"] and stats_u["total_s"]
-        else None,
-        "last_quartile_ratio": (
-            stats_u["step_ms_last_quartile"] / stats_c["step_ms_last_quartile"]
-            if stats_c["step_ms_last_quartile"] and stats_u["step_ms_last_quartile"]
-            else None
-        ),
-        "work_cached": work_c,
-        "work_uncached": work_u,
-        "work_ratio": work_u / work_c if work_c else None,
-        "kv_bytes_per_token": started.kv_bytes_per_token,
-        "kv_bytes_measured": finished_c.kv_bytes_allocated if finished_c else None,
-        "kv_bytes_formula": started.kv_bytes_per_token * (P + started.tokens),
-        "weights_bytes": started.weights_bytes,
-        "achieved_bandwidth_bytes_per_s": achieved,
-        "peak_bandwidth_bytes_per_s": started.peak_bandwidth_bytes_per_s,
-        "flops_per_byte": intensity,
-        "messages": [f.message for f in c.finished.values() if f.message],
-    }
+    return _finite(
+        {
+            "engine": settings.engine,
+            "timing": started.timing,
+            "device": started.device,
+            "model": started.model,
+            "dtype": started.dtype,
+            "threads": started.threads,
+            "prompt_tokens": P,
+            "tokens": started.tokens,
+            "seed": settings.seed,
+            "greedy": settings.greedy,
+            "text": "".join((cached or uncached).text),
+            "token_ids": ids_c or ids_u,
+            "identical": bool(cached) and bool(uncached) and divergence is None,
+            "first_divergence": divergence,
+            "cached": {**stats_c, "finished": finished_c.reason if finished_c else None},
+            "uncached": {
+                **stats_u,
+                "finished": c.finished["uncached"].reason if "uncached" in c.finished else None,
+            },
+            "speedup_wall": stats_u["total_s"] / stats_c["total_s"]
+            if stats_c["total_s"] and stats_u["total_s"]
+            else None,
+            "last_quartile_ratio": (
+                stats_u["step_ms_last_quartile"] / stats_c["step_ms_last_quartile"]
+                if stats_c["step_ms_last_quartile"] and stats_u["step_ms_last_quartile"]
+                else None
+            ),
+            "work_cached": work_c,
+            "work_uncached": work_u,
+            "work_ratio": work_u / work_c if work_c else None,
+            "kv_bytes_per_token": started.kv_bytes_per_token,
+            "kv_bytes_measured": finished_c.kv_bytes_allocated if finished_c else None,
+            "kv_bytes_formula": started.kv_bytes_per_token * (P + started.tokens),
+            "weights_bytes": started.weights_bytes,
+            "achieved_bandwidth_bytes_per_s": achieved,
+            "peak_bandwidth_bytes_per_s": started.peak_bandwidth_bytes_per_s,
+            "flops_per_byte": intensity,
+            "messages": list(dict.fromkeys(f.message for f in c.finished.values() if f.message)),
+        }
+    )
+
+
+def _finite(data: Any) -> Any:
+    """`data` with every float that is not finite (a rate over a zero-length step) made None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_finite(value) for value in data]
+    return data
 
 
 def run_bench(
     settings: RunSettings,
     *,
     record: Path | None = None,
+    force: bool = False,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict:
-    """Run both loops, cached first; return the summary. `EngineError` for a bad engine."""
+    """Run both loops, cached first; return the summary. `EngineError` for a bad engine, a run
+    that produced no step, or a record that cannot be written (`RecordError`); Ctrl-C ends the
+    run with its record, if any, whole (`Interrupted`)."""
     settings = _cached_first(settings)
-    engine = open_engine(settings)
+    recording = RecordFile(record, force) if record else None  # a bad target costs no load
+    try:
+        engine = open_engine(settings)
+    except BaseException:
+        if recording:
+            recording.discard()
+        raise
     settings = getattr(engine, "settings", settings)  # a replay runs what was recorded
     collected = _Collected()
-    out = open(record, "w", encoding="utf-8") if record else None  # noqa: SIM115
     try:
-        writer = (
-            RecordWriter(out, settings, recorded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-            if out
-            else None
-        )
+        if recording:
+            recording.start(settings)
         last_report = time.monotonic()
-        for event in run_events(engine, settings, lockstep=False):
-            if writer:
-                writer.write(event)
+        for event in run_events(engine, settings, schedule="sequential"):
+            if recording:
+                recording.write(event)
             _collect(collected, event)
             if isinstance(event, StepSample) and time.monotonic() - last_report > 1.0:
                 last_report = time.monotonic()
                 progress(f"{event.loop}: {event.step + 1}/{collected.started.tokens} tokens")
+    except KeyboardInterrupt:
+        steps = sum(len(series) for series in collected.steps.values())
+        if recording and steps:
+            for loop in settings.loops:
+                if loop not in collected.finished:
+                    done = len(collected.steps[loop])
+                    recording.write(RunFinished(loop, "cancelled", done, "interrupted"))
+            recording.commit()
+            raise Interrupted(f"interrupted after {steps:,} steps; recorded to {record}") from None
+        if recording:
+            recording.discard()
+        raise Interrupted(f"interrupted after {steps:,} steps") from None
+    except BaseException:
+        if recording:
+            recording.discard()
+        raise
     finally:
         engine.close()
-        if out:
-            out.close()
+    if not any(collected.steps.values()):
+        messages = [f.message for f in collected.finished.values() if f.message]
+        if recording:
+            recording.discard()
+        raise EngineError(messages[0] if messages else "the run produced no steps")
+    if recording:
+        recording.commit()
     return summarize(collected, settings)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `run_bench`: what was done, and where it was recorded, in one line."""
+
+
+class RecordError(EngineError):
+    """`--record FILE` cannot be written: one line for a person to read."""
+
+
+class RecordFile:
+    """A record written to a temporary file beside its target and renamed onto it once whole.
+
+    The target must not be a link, nor anything but a regular file, and must not exist unless
+    `force`; its directory must. A failed write (a full disk) or a run that fails discards the
+    temporary file and leaves the target as it was."""
+
+    def __init__(self, path: Path, force: bool) -> None:
+        self.path, self.force = path, force
+        if path.is_symlink():
+            raise RecordError(f"--record {path}: a symbolic link; kvtui writes records to files")
+        if path.exists():
+            if not path.is_file():
+                raise RecordError(f"--record {path}: exists and is not a regular file")
+            if not force:
+                raise RecordError(f"--record {path}: already exists (--force replaces it)")
+        parent = path.absolute().parent
+        if not parent.is_dir():
+            raise RecordError(f"--record {path}: no such directory {parent}")
+        try:
+            fd, temp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".part")
+        except OSError as exc:
+            raise self._error(exc) from None
+        self._temp = Path(temp)
+        self._out: IO[str] | None = os.fdopen(fd, "w", encoding="utf-8")
+        self._writer: RecordWriter | None = None
+
+    def _error(self, exc: OSError) -> RecordError:
+        return RecordError(f"cannot write {self.path}: {exc.strerror or type(exc).__name__}")
+
+    def start(self, settings: RunSettings) -> None:
+        """The header line: the settings that ran, and when."""
+        try:
+            self._writer = RecordWriter(
+                self._out, settings, recorded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            )
+        except OSError as exc:
+            self.discard()
+            raise self._error(exc) from None
+
+    def write(self, event: Event) -> None:
+        try:
+            self._writer.write(event)
+        except OSError as exc:
+            self.discard()
+            raise self._error(exc) from None
+
+    def commit(self) -> None:
+        """Close the temporary file and move it onto the target (never over a file that
+        appeared meanwhile, unless `force`)."""
+        try:
+            self._out.close()
+            self._out = None
+            if self.force:
+                os.replace(self._temp, self.path)
+                return
+            try:
+                os.link(self._temp, self.path)  # fails if the target exists: nothing clobbered
+            except FileExistsError:
+                raise RecordError(
+                    f"--record {self.path}: appeared during the run (--force replaces it)"
+                ) from None
+            except OSError:  # a file system without hard links
+                if os.path.lexists(self.path):
+                    raise RecordError(f"--record {self.path}: appeared during the run") from None
+                os.replace(self._temp, self.path)
+                return
+            os.unlink(self._temp)
+        except OSError as exc:
+            self.discard()
+            raise self._error(exc) from None
+        except RecordError:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Close and remove the temporary file; the target is left as it was."""
+        if self._out is not None:
+            with contextlib.suppress(OSError):
+                self._out.close()
+            self._out = None
+        with contextlib.suppress(OSError):
+            self._temp.unlink()
 
 
 def _cached_first(settings: RunSettings) -> RunSettings:
@@ -178,11 +363,11 @@ def _collect(c: _Collected, event: Event) -> None:
     if isinstance(event, RunStarted):
         c.started = event
     elif isinstance(event, StepSample):
-        c.steps[event.loop].append(event)
+        c.steps[event.loop].add(event)
     elif isinstance(event, RunFinished):
         c.finished[event.loop] = event
     elif isinstance(event, RunFailed):
-        raise RuntimeError(event.message)
+        raise EngineError(event.message)
 
 
 def format_table(r: dict) -> str:
@@ -212,29 +397,36 @@ def format_table(r: dict) -> str:
     ]
     width = max(len(row[0]) for row in rows)
     lines = [
-        f"{r['model']} on {r['device']} ({r['dtype']}, {format_count(r['threads'], 'thread')}), "
+        f"{r['model']} on {r['device']} ({r['dtype']}"
+        + (f", {format_count(r['threads'], 'thread')}" if r["threads"] else "")
+        + "), "
         f"{r['prompt_tokens']} prompt + {r['tokens']} tokens"
     ]
+    if r["timing"] != "measured":
+        lines.append(f"  every time and rate below is {r['timing']}: arithmetic, not a measurement")
     lines += [f"  {a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]
     same = "identical" if r["identical"] else f"DIFFER from step {r['first_divergence']}"
     lines.append(f"  tokens: {same}")
-    if r["speedup_wall"]:
+    if r["speedup_wall"] and r["work_ratio"]:
         lines.append(
-            f"  speedup: {format_ratio(r['speedup_wall'])} measured, "
+            f"  speedup: {format_ratio(r['speedup_wall'])} {r['timing']}, "
             f"{format_ratio(r['work_ratio'])} in positions computed"
         )
-    if r["kv_bytes_measured"] is not None:
+    if r["kv_bytes_measured"] is not None and r["timing"] == "measured":
         lines.append(
             f"  KV cache: {format_bytes(r['kv_bytes_measured'])} measured, "
             f"{format_bytes(r['kv_bytes_formula'])} by the formula"
         )
+    elif r["kv_bytes_measured"] is not None:
+        lines.append(f"  KV cache: {format_bytes(r['kv_bytes_formula'])} by the formula (modelled)")
     if r["achieved_bandwidth_bytes_per_s"]:
         peak = r["peak_bandwidth_bytes_per_s"]
         lines.append(
             f"  cached step reads {format_bandwidth(r['achieved_bandwidth_bytes_per_s'])}"
+            + ("" if r["timing"] == "measured" else " (modelled)")
             + (f" of {format_bandwidth(peak)} peak" if peak else "")
-            + f", {r['flops_per_byte']:.2f} FLOPs per byte"
+            + (f", {r['flops_per_byte']:.2f} FLOPs per byte" if r["flops_per_byte"] else "")
         )
     lines += [f"  {m}" for m in r["messages"]]
     lines.append(f"  text: {r['text'][:200]!r}")
-    return "\n".join(lines)
+    return safe_text("\n".join(lines))  # names, messages and text may come from a file

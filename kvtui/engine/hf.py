@@ -1,7 +1,11 @@
 """A local Hugging Face model as a decode engine (`hf:DIR`, `--model DIR`), without a UI.
 
 The model, its config and its tokenizer are loaded from a directory on disk through transformers
-(the optional `hf` extra): offline only, without remote code, from safetensors weights only. The
+(the optional `hf` extra): offline only, without remote code, from safetensors weights only. Before
+transformers sees the folder, kvtui names the exact safetensors files it will load (from
+`model.safetensors` or a shard index whose every entry stays inside the folder) and checks each
+header (kvtui.engine.spec.check_model_files); a folder of pickled weights, a `.bin` named by an
+index, a link out of the folder or a FIFO among its files is one line, with nothing loaded. The
 two loops are the lesson's, run through transformers' own forward pass:
 
 - prefill runs the prompt into a `StaticCache` preallocated for prompt + answer (as the tiny
@@ -17,7 +21,6 @@ same config.json, the reader `kvtui budget --config` uses.
 from __future__ import annotations
 
 import gc
-import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,6 +33,7 @@ import torch
 from torch import Tensor
 
 from kvtui.engine.protocol import EngineError, RunSettings
+from kvtui.engine.spec import check_model_files, check_positions, read_model_config
 from kvtui.engine.torch_engine import (
     TorchEngine,
     available_bytes,
@@ -85,20 +89,7 @@ def _quiet(transformers: Any) -> Iterator[None]:
 
 
 def _read_config(directory: Path) -> dict:
-    config_path = directory / "config.json"
-    if not directory.exists():
-        raise EngineError(f"model directory {directory} does not exist")
-    if not directory.is_dir():
-        raise EngineError(f"{directory} is not a directory (--model takes a model directory)")
-    if not config_path.is_file():
-        raise EngineError(f"{directory} has no config.json: not a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EngineError(f"cannot read {config_path}: {_one_line(exc)}") from None
-    if not isinstance(config, dict):
-        raise EngineError(f"{config_path} is not a model config (expected a JSON object)")
-    return config
+    return read_model_config(directory)
 
 
 def check_architecture(transformers: Any, directory: Path, config: dict) -> None:
@@ -177,10 +168,7 @@ def load_model(
 ) -> torch.nn.Module:
     """The causal LM from `directory`'s safetensors, offline, in `dtype`, on `device`, in eval
     mode; `EngineError` (with nothing left allocated) when it cannot be loaded."""
-    if not any(directory.glob("*.safetensors")):
-        raise EngineError(
-            f"{directory} has no safetensors weights (kvtui never loads pickled .bin files)"
-        )
+    check_model_files(directory, _read_config(directory))  # the weights it loads, checked
     dtype_key = "dtype" if _version(transformers) >= (4, 56) else "torch_dtype"
     kwargs: dict[str, Any] = {
         "local_files_only": True,
@@ -198,7 +186,7 @@ def load_model(
         del model
         _free(device, collect=True)
         raise EngineError(f"{directory.name}: out of memory while loading the weights") from None
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as exc:
+    except Exception as exc:  # transformers' own checks raise all kinds: one line, whichever
         del model
         _free(device, collect=True)
         raise EngineError(f"cannot load {directory}: {_one_line(exc)}") from None
@@ -345,8 +333,10 @@ class HFEngine(TorchEngine):
     ) -> None:
         self.settings, self.transformers, self.model = settings, transformers, model
         self.tokenizer, self.spec, self.device, self.label = tokenizer, spec, device, label
-        self.prompt = prompt
+        self.prompt = prompt[:1] if settings.lesson else prompt
+        self.prompt_text = tokenizer.decode(self.prompt, skip_special_tokens=True)
         self.max_positions = spec.max_context
+        self.trained_positions = spec.max_context
         self.fwd = ForwardArgs.of(model)
         self._cache: Any = None
 
@@ -381,6 +371,7 @@ def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
         spec = model_from_hf_config(directory / "config.json")
     except ConfigError as exc:
         raise EngineError(f"unsupported architecture: {exc}") from None
+    check_model_files(directory, config)  # before the tokenizer reads a file of the folder
     torch.set_num_threads(max(1, settings.threads))
     device = pick_device(settings.device)
     dtype = default_dtype(device)
@@ -390,11 +381,13 @@ def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
             tokenizer = transformers.AutoTokenizer.from_pretrained(
                 str(directory), local_files_only=True, trust_remote_code=False
             )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except Exception as exc:  # as for the model: whatever the tokenizer's loader raises
             raise EngineError(
                 f"cannot load the tokenizer in {directory}: {_one_line(exc)}"
             ) from None
         ids = prompt_ids(tokenizer, settings.prompt)
+        prompt = 1 if settings.lesson else len(ids)
+        check_positions(label, prompt, settings.tokens, spec.max_context)
         check_fits(spec, directory, device, dtype, len(ids) + settings.tokens)
         model = load_model(transformers, directory, device, dtype)
     if spec.active_params is None:  # the measured count, for the bytes each step reads

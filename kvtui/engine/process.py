@@ -7,6 +7,12 @@ line on the child's stdin, then `pause`, `resume` or `stop` lines; the child wri
 one JSON line on its stdout. A CUDA failure stays in the child.
 (`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
 fds_to_keep"; a plain `subprocess.Popen` with pipes does not.)
+
+The child runs no code but Python's and kvtui's: it starts isolated (`python -I`: neither the
+current directory nor PYTHONPATH on `sys.path`, no PYTHON* variables, no user site), in `/`, and
+imports kvtui from the very folder this module came from (`child_command`). A `json.py` or
+`torch.py` in the directory the app was started from is never imported; relative `replay:` and
+`hf:` paths are made absolute before the settings are sent.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 from kvtui.engine.protocol import (
     EngineError,
@@ -28,6 +36,46 @@ from kvtui.engine.protocol import (
     event_from_json,
     to_json,
 )
+from kvtui.engine.spec import parse_engine
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+"""The kvtui package this module belongs to: the child imports this one, whatever is installed."""
+
+_BOOTSTRAP = """\
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location(
+    "kvtui", {init!r}, submodule_search_locations=[{package!r}]
+)
+kvtui = importlib.util.module_from_spec(spec)
+sys.modules["kvtui"] = kvtui
+spec.loader.exec_module(kvtui)
+from kvtui.engine.process import child_main
+raise SystemExit(child_main())
+"""
+
+
+def child_command() -> list[str]:
+    """The engine's command line: isolated mode (`-I`), unbuffered (`-u`), and a bootstrap that
+    imports kvtui from `_PACKAGE` by its path, not by searching `sys.path`."""
+    code = _BOOTSTRAP.format(init=str(_PACKAGE / "__init__.py"), package=str(_PACKAGE))
+    return [sys.executable, "-I", "-u", "-c", code]
+
+
+CHILD_CWD = os.path.abspath(os.sep)
+"""The child's working directory: the file system's root, so nothing relative is found by luck."""
+
+
+def absolute_paths(settings: RunSettings) -> RunSettings:
+    """The settings with a relative `replay:` or `hf:` path made absolute (from this process's
+    working directory), since the child runs in CHILD_CWD. A malformed name is left for the
+    child to refuse."""
+    try:
+        spec = parse_engine(settings.engine)
+    except ValueError:
+        return settings
+    if spec.path is None or spec.path.is_absolute():
+        return settings
+    return replace(settings, engine=f"{spec.kind}:{spec.path.absolute()}")
 
 
 class EngineProcess:
@@ -40,19 +88,18 @@ class EngineProcess:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtui.engine.process"],
+            child_command(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
             text=True,
             encoding="utf-8",
             bufsize=1,
-            env=env,
+            cwd=CHILD_CWD,
             start_new_session=True,  # the terminal's Ctrl-C goes to the UI, which stops us cleanly
         )
-        self._send(json.dumps(self.settings.to_json()))
+        self._send(json.dumps(absolute_paths(self.settings).to_json()))
 
     @property
     def alive(self) -> bool:

@@ -21,15 +21,23 @@ the same counts in closed form.
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
+import types
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
 Loop = Literal["cached", "uncached"]
 LOOPS: tuple[Loop, ...] = ("uncached", "cached")
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
+
+MAX_TOKENS = 2**18
+"""The most tokens one run generates: 262,144, past every catalog model's context (DeepSeek-V3's
+163,840 is the longest). A run keeps each step's figures for its summary, and its record (about
+300 bytes a step, two loops) must stay under the 256 MiB a replay reads."""
 
 
 class EngineError(ValueError):
@@ -58,16 +66,25 @@ class RunSettings:
     made decode slower, not faster, on a 2-core machine)."""
     replay_speed: float = 1.0
     """For `replay:`: 1.0 is the recorded pace, 0 (or less) means as fast as possible."""
+    lesson: bool = False
+    """Run on a one-token prompt (the prompt's first token): the counts are then exactly the
+    lesson's (24 tokens: 300 positions without a cache, 24 with it)."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "loops": list(self.loops)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSettings:
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+        """The settings a `to_json` dict holds; ValueError naming the first field of the wrong
+        type (or out of range: tokens and threads at least 1, loops distinct and known)."""
+        values = _typed_fields(cls, data, "run settings")
         if "loops" in values:
-            values["loops"] = tuple(values["loops"])
+            loops = values["loops"] = tuple(values["loops"])
+            if not loops or len(set(loops)) != len(loops):
+                raise ValueError(f"run settings: loops must be distinct loops, not {loops}")
+        for name in ("tokens", "threads"):
+            if name in values and values[name] < 1:
+                raise ValueError(f"run settings: {name} must be at least 1, not {values[name]}")
         return cls(**values)
 
 
@@ -92,6 +109,13 @@ class RunStarted:
     device_memory_total_bytes: int | None = None
     max_positions: int | None = None
     """The most positions (prompt + answer) the model can run, where it has a limit."""
+    trained_positions: int | None = None
+    """The longest sequence the model was trained on, where known: past it, text may degrade."""
+    timing: str = "measured"
+    """How step times were had: "measured" (wall time after device sync) or "modelled
+    (roofline)" (the `sim:` engine's arithmetic)."""
+    prompt_text: str = ""
+    """The prompt as text, for showing before the generated text (dimmed)."""
     kind: str = field(default="started", init=False)
 
 
@@ -157,16 +181,90 @@ def to_json(event: Event) -> dict[str, Any]:
 
 
 def event_from_json(data: dict[str, Any]) -> Event:
-    """The event a `to_json` dict describes; ValueError if it is not one."""
+    """The event a `to_json` dict describes; ValueError if it is not one: every field must be of
+    its declared type, and every number in an event is finite and not negative (a count, a size,
+    a time), an integer within 64 bits."""
     try:
         cls = _KINDS[data["kind"]]
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a kvtui event: {str(data)[:80]}") from exc
-    init = {f.name for f in fields(cls) if f.init}
+    what = f"{data['kind']} event"
+    values = _typed_fields(cls, data, what)
+    for name, value in values.items():
+        if _is_number(value) and value < 0:
+            raise ValueError(f"{what}: {name} is negative ({value})")
     try:
-        return cls(**{k: v for k, v in data.items() if k in init})
+        return cls(**values)
     except TypeError as exc:
-        raise ValueError(f"malformed {data['kind']} event: {exc}") from exc
+        raise ValueError(f"malformed {what}: {exc}") from exc
+
+
+INT64_MAX = 2**63 - 1
+"""The largest integer a record may hold: every count and size of a run fits in 64 bits."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of a field's declared type (ints within 64 bits, floats finite)."""
+    origin = get_origin(hint)
+    if origin is Literal:
+        return isinstance(value, str) and value in get_args(hint)
+    if origin is Union or origin is types.UnionType:
+        return any(_fits(value, arg) for arg in get_args(hint))
+    if origin is tuple:
+        item = get_args(hint)[0]
+        return isinstance(value, list | tuple) and all(_fits(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return _is_number(value) and isinstance(value, int) and abs(value) <= INT64_MAX
+    if hint is float:
+        if isinstance(value, int):
+            return _is_number(value) and abs(value) <= INT64_MAX
+        return isinstance(value, float) and math.isfinite(value)
+    return isinstance(value, hint) if isinstance(hint, type) else False
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _typed_fields(cls: type, data: Any, what: str) -> dict[str, Any]:
+    """The init fields of the dataclass `cls` present in the dict `data`, each checked against
+    its declared type; ValueError naming the first that is not of it. Other keys are ignored."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: expected a JSON object, not {type(data).__name__}")
+    hints = _hints(cls)
+    values = {}
+    for f in fields(cls):
+        if f.init and f.name in data:
+            value = data[f.name]
+            if not _fits(value, hints[f.name]):
+                shown = repr(value)
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise ValueError(f"{what}: {f.name} is {shown}, not {_type_name(hints[f.name])}")
+            values[f.name] = value
+    return values
+
+
+def _type_name(hint: Any) -> str:
+    origin = get_origin(hint)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in get_args(hint))
+    if origin is Union or origin is types.UnionType:
+        return " or ".join(_type_name(a) for a in get_args(hint))
+    if origin is tuple:
+        return f"a list of {_type_name(get_args(hint)[0])}"
+    if hint is type(None):
+        return "null"
+    names = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 # --- engines and the loop that drives them ----------------------------------------------------
@@ -212,38 +310,49 @@ class RunControl:
         self._running.wait()
 
 
+Schedule = Literal["fair", "sequential"]
+
+
 def run_events(
     engine: StepSource,
     settings: RunSettings,
     control: RunControl | None = None,
     *,
-    lockstep: bool = True,
+    schedule: Schedule = "fair",
 ) -> Iterator[Event]:
     """Every event of a run: started, steps, one finished per loop.
 
-    In `lockstep` the loops take one step each in turn (so a screen can compare the streams as
-    they grow); otherwise each loop runs to its end before the next starts (cleaner timings).
+    `fair`: the loops share the engine's time, each turn going to the loop that has spent the
+    least measured step time so far; so the cached loop, whose steps are short, races ahead and
+    finishes while the uncached one is still climbing its staircase, as two requests served
+    side by side would. Each step's own time is measured alone either way: steps never overlap.
+    `sequential`: each loop runs to its end before the next starts (`kvtui bench`).
     """
     control = control or RunControl()
     yield engine.started()
     iterators = {loop: engine.steps(loop) for loop in settings.loops}
     counts = dict.fromkeys(iterators, 0)
+    spent = dict.fromkeys(iterators, 0.0)
     try:
         while iterators:
-            for loop in list(iterators) if lockstep else list(iterators)[:1]:
-                control.wait_while_paused()
-                if control.stopped:
-                    for left in list(iterators):
-                        iterators.pop(left).close()
-                        yield RunFinished(left, "cancelled", counts[left], "stopped")
-                    return
-                event = next(iterators[loop], None)
-                if isinstance(event, StepSample):
-                    counts[loop] += 1
-                    yield event
-                    continue
-                iterators.pop(loop).close()
-                yield event if event is not None else RunFinished(loop, "done", counts[loop])
+            if schedule == "fair":
+                loop = min(iterators, key=spent.__getitem__)
+            else:
+                loop = next(iter(iterators))
+            control.wait_while_paused()
+            if control.stopped:
+                for left in list(iterators):
+                    iterators.pop(left).close()
+                    yield RunFinished(left, "cancelled", counts[left], "stopped")
+                return
+            event = next(iterators[loop], None)
+            if isinstance(event, StepSample):
+                counts[loop] += 1
+                spent[loop] += max(0.0, event.step_seconds)
+                yield event
+                continue
+            iterators.pop(loop).close()
+            yield event if event is not None else RunFinished(loop, "done", counts[loop])
     finally:
         for iterator in iterators.values():
             iterator.close()

@@ -5,21 +5,31 @@ with the settings, device and model), then every event of the run as `kvtui.engi
 writes it. `kvtui bench --record FILE` writes one on a GPU box over SSH; `--engine replay:FILE`
 plays it back on a laptop at the recorded pace (each step takes its measured `step_seconds`,
 divided by `replay_speed`; 0 plays as fast as it can).
+
+A record is read whole and checked before it plays (`read_record`), so a file that is not one is
+one line before any UI opens: a regular file of at most 256 MiB (MAX_RECORD_BYTES), lines of at
+most 1 MiB, every event of its declared types (kvtui.engine.protocol), in the order a run writes
+them (one `started` first; each loop's steps numbered 0, 1, 2... at the positions after the
+prompt; at most one `finished` per loop, after its steps), with at least one step, no step longer
+than an hour (a replay sleeps each step's time) and no more steps than `MAX_TOKENS` per loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kvtui.engine.protocol import (
+    MAX_TOKENS,
     EngineError,
     Event,
     Loop,
+    RunFailed,
     RunFinished,
     RunSettings,
     RunStarted,
@@ -27,8 +37,17 @@ from kvtui.engine.protocol import (
     event_from_json,
     to_json,
 )
+from kvtui.inputs import MIB, InputError, parse_json, read_lines
 
 FORMAT, VERSION = "kvtui-record", 1
+
+MAX_RECORD_BYTES = 256 * MIB
+"""The largest record read: a run of MAX_TOKENS tokens in both loops is about 160 MB."""
+MAX_LINE_BYTES = MIB
+"""The longest line read (a step is about 300 bytes; the header holds the prompt)."""
+MAX_STEP_SECONDS = 3600.0
+"""The longest step replayed: replay sleeps each step's time, and an hour per step is past any
+run worth replaying."""
 
 
 class RecordWriter:
@@ -54,34 +73,106 @@ class RecordWriter:
 
 
 def read_record(path: Path) -> tuple[dict, list[Event]]:
-    """The header and events of a record; `EngineError` with one clear line if it is not one."""
+    """The header and events of a record; `EngineError` with one clear line if it is not one
+    (see the module's docstring for what is checked)."""
+    if not path.exists() and not path.is_symlink():
+        raise EngineError(f"no recorded run at {path}")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise EngineError(f"no recorded run at {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EngineError(f"cannot read {path}: {exc}") from None
+        with contextlib.closing(read_lines(path, MAX_RECORD_BYTES, MAX_LINE_BYTES)) as lines:
+            header = _read_header(path, next(lines, (1, ""))[1])
+            order = _RunOrder(path)
+            events: list[Event] = []
+            for number, line in lines:
+                if not line.strip():
+                    continue
+                try:
+                    event = event_from_json(parse_json(line))
+                except ValueError as exc:
+                    raise EngineError(f"{path}, line {number}: corrupt record ({exc})") from None
+                order.check(number, event)
+                events.append(event)
+    except InputError as exc:
+        raise EngineError(str(exc)) from None
+    order.finish()
+    return header, events
+
+
+def _read_header(path: Path, line: str) -> dict:
     try:
-        header = json.loads(lines[0]) if lines else None
-    except json.JSONDecodeError:
+        header: Any = parse_json(line)
+    except ValueError:
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise EngineError(f"{path} is not a kvtui record (no kvtui-record header on line 1)")
     if header.get("version") != VERSION:
-        raise EngineError(
-            f"{path} is a version {header.get('version')} record; this kvtui reads {VERSION}"
-        )
-    events: list[Event] = []
-    for number, line in enumerate(lines[1:], start=2):
-        if not line.strip():
-            continue
-        try:
-            events.append(event_from_json(json.loads(line)))
-        except (json.JSONDecodeError, ValueError) as exc:
-            raise EngineError(f"{path}, line {number}: corrupt record ({exc})") from None
-    if not any(isinstance(e, RunStarted) for e in events):
-        raise EngineError(f"{path} holds no run (no 'started' event)")
-    return header, events
+        shown = repr(header.get("version"))[:20]
+        raise EngineError(f"{path} is a version {shown} record; this kvtui reads {VERSION}")
+    try:
+        RunSettings.from_json(header.get("settings", {}))
+    except ValueError as exc:
+        raise EngineError(f"{path}, line 1: corrupt record ({exc})") from None
+    return header
+
+
+class _RunOrder:
+    """Checks, event by event, that a record holds one run as `run_events` writes it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.started: RunStarted | None = None
+        self.steps: dict[str, int] = {}
+        self.finished: set[str] = set()
+
+    def _bad(self, number: int, why: str) -> EngineError:
+        return EngineError(f"{self.path}, line {number}: {why}")
+
+    def check(self, number: int, event: Event) -> None:
+        if isinstance(event, RunFailed):
+            raise self._bad(number, f"the recorded run failed: {event.message[:200]}")
+        if isinstance(event, RunStarted):
+            if self.started is not None:
+                raise self._bad(number, "a second 'started' event: a record holds one run")
+            self.started = event
+            return
+        if self.started is None:
+            raise self._bad(number, f"a '{event.kind}' event before the run's 'started' event")
+        loop, done = event.loop, self.steps.get(event.loop, 0)
+        if loop in self.finished:
+            raise self._bad(number, f"a '{event.kind}' event after the {loop} loop finished")
+        if isinstance(event, RunFinished):
+            if event.steps != done:
+                raise self._bad(
+                    number, f"the {loop} loop finished after {event.steps:,} steps, not {done:,}"
+                )
+            self.finished.add(loop)
+            return
+        if event.step != done:
+            raise self._bad(number, f"{loop} step {event.step:,} out of order (expected {done:,})")
+        if event.position != self.started.prompt_tokens + event.step:
+            raise self._bad(
+                number,
+                f"{loop} step {event.step:,} at position {event.position:,}, not "
+                f"{self.started.prompt_tokens + event.step:,} (prompt + step)",
+            )
+        if done >= min(self.started.tokens, MAX_TOKENS):
+            raise self._bad(
+                number,
+                f"more {loop} steps than the {min(self.started.tokens, MAX_TOKENS):,} "
+                "a run may have",
+            )
+        if event.step_seconds > MAX_STEP_SECONDS:
+            raise self._bad(
+                number,
+                f"a step of {event.step_seconds:,.0f} s (a replay sleeps each step's time; "
+                f"kvtui replays steps of at most {MAX_STEP_SECONDS:,.0f} s)",
+            )
+        self.steps[loop] = done + 1
+
+    def finish(self) -> None:
+        if self.started is None:
+            raise EngineError(f"{self.path} holds no run (no 'started' event)")
+        if not any(self.steps.values()):
+            raise EngineError(f"{self.path} holds an empty run (no steps)")
 
 
 @dataclass
@@ -95,7 +186,7 @@ class ReplayEngine:
     @classmethod
     def open(cls, path: Path, settings: RunSettings) -> ReplayEngine:
         header, events = read_record(path)
-        recorded = RunSettings.from_json(header.get("settings", {}))
+        recorded = RunSettings.from_json(header.get("settings", {}))  # checked by read_record
         # What ran is what was recorded; only the pace is the caller's.
         merged = replace(recorded, engine=settings.engine, replay_speed=settings.replay_speed)
         return cls(merged, header, events)
@@ -107,7 +198,8 @@ class ReplayEngine:
         for event in self.events:
             if isinstance(event, StepSample) and event.loop == loop:
                 if self.settings.replay_speed > 0:
-                    time.sleep(event.step_seconds / self.settings.replay_speed)
+                    pace = event.step_seconds / self.settings.replay_speed
+                    time.sleep(min(pace, MAX_STEP_SECONDS))
                 yield event
             elif isinstance(event, RunFinished) and event.loop == loop:
                 yield event

@@ -21,6 +21,7 @@ from kvtui.engine.protocol import (
     RunStarted,
     StepSample,
 )
+from kvtui.engine.replay import MAX_STEP_SECONDS
 from kvtui.format import format_bytes
 from kvtui.sim.catalog import GPUSpec, ModelSpec, UnknownNameError, get_gpu, get_model
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, kv_bytes_per_token, weights_bytes
@@ -32,6 +33,9 @@ from kvtui.sim.work import (
     uncached_step_flops,
 )
 from kvtui.text import Utf8Stream, encode_bytes
+
+MODELLED = "modelled (roofline)"
+"""How the sim engine's step times are had: by arithmetic, never measured."""
 
 PASSAGE = (
     " a single man in possession of a good fortune, must be in want of a wife. However little "
@@ -68,7 +72,7 @@ class SimEngine:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(encode_bytes(self.settings.prompt))
+        return 1 if self.settings.lesson else len(encode_bytes(self.settings.prompt))
 
     def started(self) -> RunStarted:
         m = self.model
@@ -88,6 +92,11 @@ class SimEngine:
             peak_bandwidth_bytes_per_s=self.gpu.bandwidth_bytes_per_s,
             device_memory_total_bytes=self.gpu.memory_bytes,
             max_positions=m.max_context,
+            trained_positions=m.max_context,
+            timing=MODELLED,
+            prompt_text=bytes(encode_bytes(self.settings.prompt)[: self.prompt_tokens]).decode(
+                "utf-8", errors="replace"
+            ),
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
@@ -118,7 +127,7 @@ class SimEngine:
                 held = 0
             seconds = roofline_seconds(flops, read, self.gpu)
             if self.settings.replay_speed > 0:
-                time.sleep(seconds / self.settings.replay_speed)
+                time.sleep(min(seconds / self.settings.replay_speed, MAX_STEP_SECONDS))
             token = passage[i % len(passage)]
             yield StepSample(
                 loop=loop,

@@ -1,19 +1,23 @@
 """Engine names, parsed once: `tiny`, `shape:MODEL`, `sim:MODEL@GPU`, `replay:FILE`, `hf:DIR`.
 
-`parse_engine` turns a name into an `EngineSpec` (or one `EngineError` line); `check_engine`
-refuses, cheaply and without torch, a run that cannot start, so that the CLI can say so before a
-UI opens; `open_engine` builds the engine a spec names, importing torch only for the torch
-engines (kvtui.engine.torch_engine, kvtui.engine.hf), never for `sim:` (kvtui.engine.roofline)
-or `replay:` (kvtui.engine.replay).
+`parse_engine` turns a name into an `EngineSpec` (or one `EngineError` line); `check_run` refuses,
+cheaply and without torch, settings no engine can run (a CUDA device where there is none, more
+positions than the model has), and `check_engine` also looks at the files a run needs, so that
+the CLI can say so before a UI opens; `open_engine` builds the engine a spec names, importing
+torch only for the torch engines (kvtui.engine.torch_engine, kvtui.engine.hf), never for `sim:`
+(kvtui.engine.roofline) or `replay:` (kvtui.engine.replay).
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from kvtui.engine.protocol import EngineError, RunSettings, StepSource
+from kvtui.engine.protocol import MAX_TOKENS, EngineError, RunSettings, StepSource
 
 EngineKind = Literal["tiny", "shape", "sim", "replay", "hf"]
 
@@ -58,10 +62,9 @@ def parse_engine(name: str) -> EngineSpec:
 
 
 def open_engine(settings: RunSettings) -> StepSource:
-    """The engine `settings.engine` names; `EngineError` for a bad name or a run that can't fit."""
-    spec = parse_engine(settings.engine)
-    if settings.tokens < 1:
-        raise EngineError("tokens must be at least 1")
+    """The engine `settings.engine` names; `EngineError` for a bad name or a run that can't fit
+    (`check_run` first, so before anything is loaded when that can be known)."""
+    spec = check_run(settings)
     if spec.kind in ("tiny", "shape"):
         from kvtui.engine.torch_engine import open_torch_engine
 
@@ -82,18 +85,165 @@ def open_engine(settings: RunSettings) -> StepSource:
 def check_engine(settings: RunSettings) -> None:
     """Refuse a run that cannot start, before a UI opens: `EngineError` with one clear line.
 
-    Cheap and torch-free: names are looked up in the catalogs, a replay file is read, a model
-    directory is looked at; whether a torch model fits in memory is still the engine's to say.
+    Cheap and torch-free: `check_run`, then names are looked up in the catalogs, a replay file is
+    read, a model directory's config and weight headers are checked; whether a torch model fits
+    in memory is still the engine's to say.
     """
-    spec = parse_engine(settings.engine)
+    spec = check_run(settings)
     if spec.kind in ("sim", "replay"):
         open_engine(settings).close()
-    elif spec.kind == "shape":
+    elif spec.kind == "hf":
+        from kvtui.sim.catalog import ConfigError, model_from_hf_config
+
+        config = read_model_config(spec.path)
+        try:
+            limit = model_from_hf_config(spec.path / "config.json").max_context
+        except ConfigError as exc:
+            raise EngineError(str(exc)) from None
+        if settings.tokens + 1 > limit:  # the prompt is at least one token
+            raise EngineError(
+                f"{settings.tokens:,} tokens after the prompt is past the model's "
+                f"{limit:,} positions"
+            )
+        check_model_files(spec.path, config)
+
+
+# --- cheap checks, without torch -----------------------------------------------------------------
+
+TINY_WEIGHTS = "tiny-austen.safetensors"
+"""The shipped model's file in assets/ (as kvtui.engine.torch_engine loads it)."""
+TINY_POSITIONS = 4096
+"""The tiny model's positions when its file is missing (kvtui.decoder.ModelArgs' default)."""
+_CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
+
+
+def cuda_visible() -> bool:
+    """Whether this machine shows a CUDA (or ROCm) device, without importing torch: a device
+    node of the NVIDIA driver (`/dev/nvidia0`), WSL's GPU (`/dev/dxg`) or ROCm's (`/dev/kfd`),
+    not hidden by CUDA_VISIBLE_DEVICES. torch may still see none; the engine then says so."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or any(
+        os.path.exists(node) for node in ("/dev/dxg", "/dev/kfd")
+    )
+
+
+def prompt_positions(settings: RunSettings) -> int:
+    """The prompt's positions for the byte-level engines (tiny, shape, sim): its UTF-8 bytes
+    (a lone newline for an empty prompt), or 1 in lesson mode."""
+    if settings.lesson:
+        return 1
+    try:
+        return len(settings.prompt.encode("utf-8")) or 1
+    except UnicodeEncodeError:
+        raise EngineError(
+            "the prompt holds characters that are not text (lone surrogates)"
+        ) from None
+
+
+def tiny_positions() -> int:
+    """The shipped model's positions, from the config in its safetensors metadata (read without
+    torch: the header only)."""
+    from kvtui.inputs import InputError, parse_json, safetensors_header
+    from kvtui.paths import asset_path
+
+    path = asset_path(TINY_WEIGHTS)
+    if not path.exists():
+        return TINY_POSITIONS
+    try:
+        metadata = safetensors_header(path).get("__metadata__") or {}
+        config = parse_json(metadata.get("config", "{}"))
+    except (InputError, ValueError) as exc:
+        raise EngineError(f"the shipped model is damaged ({exc}); reinstall kvtui") from None
+    positions = config.get("max_positions", TINY_POSITIONS) if isinstance(config, dict) else None
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise EngineError("the shipped model is damaged (no max_positions); reinstall kvtui")
+    return positions
+
+
+def model_positions(spec: EngineSpec) -> tuple[str, int] | None:
+    """The model's name and the most positions it runs, where that is cheap to know (tiny,
+    shape, sim); None otherwise (replay runs what was recorded; hf needs its tokenizer)."""
+    if spec.kind == "tiny":
+        return "tiny-austen", tiny_positions()
+    if spec.kind in ("shape", "sim"):
         from kvtui.sim.catalog import UnknownNameError, get_model
 
         try:
-            get_model(spec.model)
+            model = get_model(spec.model)
         except UnknownNameError as exc:
             raise EngineError(str(exc)) from None
-    elif spec.kind == "hf" and not (spec.path / "config.json").is_file():
-        raise EngineError(f"{spec.path} is not a Hugging Face model directory (no config.json)")
+        return model.name, model.max_context
+    return None
+
+
+def check_positions(label: str, prompt: int, tokens: int, limit: int) -> None:
+    """`EngineError` when a prompt of `prompt` positions and `tokens` more pass `limit`."""
+    if prompt + tokens > limit:
+        room = limit - prompt
+        hint = f"; ask for at most {room:,} tokens" if room > 0 else ""
+        raise EngineError(
+            f"{prompt:,} prompt + {tokens:,} tokens is {prompt + tokens:,} positions, past "
+            f"{label}'s {limit:,}{hint}"
+        )
+
+
+def check_run(settings: RunSettings) -> EngineSpec:
+    """Refuse, cheaply and without torch, settings no engine can run: an engine name that does
+    not parse, tokens out of 1..MAX_TOKENS, a device that is not auto, cpu or cuda[:N], CUDA
+    asked for on a machine that shows none (torch engines only), or more positions (prompt +
+    tokens) than the model has. Returns the parsed engine name."""
+    spec = parse_engine(settings.engine)
+    if not 1 <= settings.tokens <= MAX_TOKENS:
+        raise EngineError(f"tokens must be from 1 to {MAX_TOKENS:,}, not {settings.tokens:,}")
+    if spec.kind in ("tiny", "shape", "hf"):
+        device = settings.device
+        if device not in ("auto", "cpu") and not _CUDA_DEVICE.fullmatch(device):
+            raise EngineError(f"unknown device {device!r}: use auto, cpu or cuda")
+        if device != "auto" and device != "cpu" and not cuda_visible():
+            raise EngineError(f"--device {device}: this machine shows no CUDA device")
+    known = model_positions(spec)
+    if known is not None:
+        label, limit = known
+        check_positions(label, prompt_positions(settings), settings.tokens, limit)
+    return spec
+
+
+# --- a Hugging Face model folder, without torch --------------------------------------------------
+
+
+def read_model_config(directory: Path) -> dict[str, Any]:
+    """The config.json of a model folder as a JSON object (bounded, a regular file);
+    `EngineError` when the folder or its config is missing or not one."""
+    from kvtui.sim.catalog import ConfigError, read_hf_config
+
+    if not directory.exists():
+        raise EngineError(f"model directory {directory} does not exist")
+    if not directory.is_dir():
+        raise EngineError(f"{directory} is not a directory (--model takes a model directory)")
+    if not os.path.lexists(directory / "config.json"):
+        raise EngineError(f"{directory} has no config.json: not a Hugging Face model directory")
+    try:
+        return read_hf_config(directory / "config.json")
+    except ConfigError as exc:
+        raise EngineError(str(exc)) from None
+
+
+def check_model_files(directory: Path, config: dict[str, Any]) -> list[Path]:
+    """The safetensors files transformers would load from the folder, each checked
+    (kvtui.inputs.model_weights); `EngineError` for pickled weights, a weight file outside the
+    folder or with a lying header, a PEFT adapter, or a file transformers might read that is not
+    a regular file (a FIFO would hang the load) or is larger than a config or tokenizer can be."""
+    from kvtui.inputs import InputError, check_folder_files, model_weights
+
+    if os.path.lexists(directory / "adapter_config.json"):
+        raise EngineError(
+            f"{directory} holds a PEFT adapter (adapter_config.json), not a model; kvtui loads "
+            "whole models only"
+        )
+    try:
+        check_folder_files(directory)
+        return model_weights(directory, config.get("transformers_weights"))
+    except InputError as exc:
+        raise EngineError(str(exc)) from None

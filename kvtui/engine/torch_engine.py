@@ -289,6 +289,17 @@ def load_tiny(device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[
     return ready_to_decode(model), metadata
 
 
+def trained_context(metadata: dict) -> int | None:
+    """The longest window the shipped weights were trained on, from their metadata: the
+    `context_trained` of a long-context stage, else the training config's `context`."""
+    if "context_trained" in metadata:
+        return int(metadata["context_trained"])
+    try:
+        return int(json.loads(metadata.get("train", "{}"))["context"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def ready_to_decode(model: Transformer) -> Transformer:
     """In eval mode and, on a CPU, with its weights laid out for matrix-vector products."""
     if model.output.weight.device.type == "cpu":
@@ -375,6 +386,10 @@ class TorchEngine(ABC):
     model: torch.nn.Module
     max_positions: int
     """Most positions (prompt + answer) the model can run."""
+    trained_positions: int | None
+    """The longest sequence the model was trained on, where known."""
+    prompt_text: str
+    """The prompt as the model sees it, as text (its first token alone in lesson mode)."""
 
     @abstractmethod
     def prompt_ids(self) -> Tensor:
@@ -419,6 +434,8 @@ class TorchEngine(ABC):
             peak_bandwidth_bytes_per_s=peak,
             device_memory_total_bytes=total,
             max_positions=self.max_positions,
+            trained_positions=self.trained_positions,
+            prompt_text=self.prompt_text,
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
@@ -502,16 +519,24 @@ class DecoderEngine(TorchEngine):
         label: str,
         *,
         byte_level: bool,
+        trained_positions: int | None,
     ) -> None:
         self.settings, self.model, self.spec = settings, model, spec
         self.device, self.label, self.byte_level = device, label, byte_level
         self.max_positions = model.args.max_positions
-        if byte_level:
-            self._prompt = encode_text(settings.prompt, device)
-        else:
+        self.trained_positions = trained_positions
+        ids = encode_bytes(settings.prompt)
+        if not byte_level:  # random token ids, as many as the prompt has bytes
             gen = torch.Generator().manual_seed(settings.seed)
-            n = len(encode_bytes(settings.prompt))
-            self._prompt = torch.randint(0, spec.vocab_size, (1, n), generator=gen).to(device)
+            ids = torch.randint(0, spec.vocab_size, (len(ids),), generator=gen).tolist()
+        if settings.lesson:
+            ids = ids[:1]
+        self._prompt = torch.tensor([ids], dtype=torch.long, device=device)
+        self.prompt_text = (
+            bytes(ids).decode("utf-8", errors="replace")
+            if byte_level
+            else "".join(f" {i}" for i in ids)
+        )
 
     def prompt_ids(self) -> Tensor:
         return self._prompt
@@ -544,11 +569,17 @@ def open_torch_engine(settings: RunSettings, model_name: str | None) -> DecoderE
         model, meta = load_tiny(device, dtype, settings.seed)
         label = meta.get("name", "tiny-austen")
         spec = spec_from_args(label, model.args)
-        return DecoderEngine(settings, model, spec, device, label, byte_level=True)
+        trained = trained_context(meta)
+        return DecoderEngine(
+            settings, model, spec, device, label, byte_level=True, trained_positions=trained
+        )
     try:
         spec = get_model(model_name)
     except UnknownNameError as exc:
         raise EngineError(str(exc)) from exc
     context = len(encode_bytes(settings.prompt)) + settings.tokens
     model = build_shape(spec, device, dtype, context, settings.seed)
-    return DecoderEngine(settings, model, spec, device, f"shape:{spec.name}", byte_level=False)
+    label = f"shape:{spec.name}"
+    return DecoderEngine(
+        settings, model, spec, device, label, byte_level=False, trained_positions=spec.max_context
+    )

@@ -127,47 +127,48 @@ def length_step(length: int) -> int:
 
 
 class WorkScreen(LessonScreen):
-    """A lesson screen about decode work for a chosen answer length (screens 1 and 2).
+    """A lesson screen about the live run's decode work (screens 1 and 2).
 
-    `length` follows the App's (bound with `data_bind`); the keys ask the App to change it."""
+    Every figure is the run's own, as the engine counted and timed it; `length` follows the
+    App's chosen answer length (bound with `data_bind`), which the keys change and `r` runs."""
 
     BINDINGS = [
         Binding("right,plus,equals_sign", "app.longer", "Length", key_display="←→"),
         Binding("left,minus", "app.shorter", "Length -", show=False),
         Binding("shift+right,ctrl+right", "app.double", "x2", show=False),
         Binding("shift+left,ctrl+left", "app.halve", "/2", show=False),
+        Binding("l", "app.lesson", "Lesson", show=False),
     ]
 
-    length: reactive[int] = reactive(24, init=False)
+    length: reactive[int] = reactive(256, init=False)
 
     def watch_length(self, length: int) -> None:
-        self.show_cards()
         self.show_run_note()
-        self.mark_dirty()
 
     def on_mount(self) -> None:
         super().on_mount()
-        self.show_cards()
         self.show_run_note()
 
-    def show_cards(self) -> None:
-        """Put the figures for the chosen length on the cards (immediately, not on the tick)."""
-
-    def beyond_run(self) -> bool:
-        """True when the chosen length is longer than the live run generates."""
-        return self.length > self.live.settings.tokens
+    def pending(self) -> bool:
+        """True when `r` would run another length than the live run's."""
+        return self.length != self.live.run_tokens
 
     def run_note(self) -> str:
-        """How much of the chosen length the live run covers, in a line."""
-        tokens = self.live.settings.tokens
-        if self.beyond_run():
-            return f"live run: {tokens:,} of {self.length:,} steps; r restarts with the new length"
-        return f"measured: steps 1-{self.length:,} of the live run's {tokens:,}"
+        """Which run the figures are, and what `r` would run, in a line."""
+        live = self.live
+        words = []
+        if live.settings.lesson:
+            words.append("lesson mode: a 1-token prompt (l: the full prompt)")
+        elif live.started is not None:
+            words.append(f"{format_count(live.prompt_tokens, 'prompt token')} (l: lesson mode)")
+        if self.pending():
+            words.append(f"r runs {self.length:,} tokens (this run: {live.run_tokens:,})")
+        return " · ".join(words)
 
     def show_run_note(self) -> None:
-        """Put `run_note` in the `#run-note` line; `-beyond` marks a length past the run."""
+        """Put `run_note` in the `#run-note` line; `-beyond` marks a length `r` would change."""
         if not self.ready:
             return
         note = self.query_one("#run-note", Static)
         note.update(self.run_note())
-        note.set_class(self.beyond_run(), "-beyond")
+        note.set_class(self.pending(), "-beyond")

@@ -11,20 +11,21 @@ from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
+from kvtui.engine.protocol import EngineError
+from kvtui.engine.spec import parse_engine
 from kvtui.format import format_int, format_ratio, format_seconds, format_tick
 from kvtui.screens.base import WorkScreen
-from kvtui.sim.work import (
-    cached_cumulative,
-    cached_step_positions,
-    naive_cumulative,
-    naive_step_positions,
-    work_summary,
-)
+from kvtui.screens.live import LoopTrace
+from kvtui.sim.catalog import UnknownNameError, get_gpu, get_model
+from kvtui.sim.work import compute_bound_positions
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points
+from kvtui.widgets.chart import Chart, downsample, fitting_ticks, nice_ticks
 from kvtui.widgets.stream import TokenStream
 
-CAPTION = "[$primary]━[/] without a cache   [$success]━[/] with a cache   x: answer tokens"
+CAPTION = (
+    "[$primary]━[/] without a cache   [$success]━[/] with a cache   (counted by the engine)   "
+    "x: tokens"
+)
 CAPTION_NARROW = "[$primary]━[/] without a cache  [$success]━[/] with a cache  x: tokens"
 
 
@@ -43,16 +44,19 @@ class CacheScreen(WorkScreen):
 
     TITLE_TEXT = "2 · With the cache, you compute only the new token"
 
-    BINDINGS = [Binding("c", "app.toggle_cache", "Cache")]
+    BINDINGS = [
+        Binding("c", "app.toggle_cache", "Cache"),
+        Binding("v", "toggle_totals", "Per step/total", show=False),
+    ]
 
     cache_on: reactive[bool] = reactive(True, init=False)
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(classes="cards"):
-            yield StatCard("WITHOUT", id="without")
-            yield StatCard("WITH", id="with")
-            yield StatCard("SPEEDUP", id="speedup")
-            yield StatCard("MEASURED", id="measured")
+            yield StatCard("WITHOUT", "…", id="without")
+            yield StatCard("WITH", "…", id="with")
+            yield StatCard("BY COUNT", "…", id="speedup")
+            yield StatCard("MEASURED", "…", id="measured")
         with Horizontal(classes="middle"):
             with Vertical(classes="streams"):
                 yield TokenStream("Without a cache", id="stream-uncached")
@@ -68,42 +72,50 @@ class CacheScreen(WorkScreen):
 
     def watch_cache_on(self, cache_on: bool) -> None:
         self.set_class(not cache_on, "-cache-off")
-        self.show_cards()
-        self.mark_dirty()
+        self.redraw_now()
+
+    def action_toggle_totals(self) -> None:
+        """On a short terminal, show the running totals instead of the work per step (or back)."""
+        self.toggle_class("-totals")
+        self.redraw_now()
 
     def show_cards(self) -> None:
-        if not self.ready:
-            return
-        w = work_summary(self.length)
-        without = self.query_one("#without", StatCard)
-        without.value, without.note = format_int(w.naive_total), "positions"
-        with_card = self.query_one("#with", StatCard)
-        speedup = self.query_one("#speedup", StatCard)
-        if self.cache_on:
-            with_card.value, with_card.note = format_int(w.cached_total), "positions"
-            speedup.value, speedup.note = format_ratio(w.speedup), "by count"
-        else:
+        """Work and time of both loops over the same steps: those both have run so far."""
+        live = self.live
+        n = live.compared_steps()
+        without, with_card = self.query_one("#without", StatCard), self.query_one("#with", StatCard)
+        speedup, timed = self.query_one("#speedup", StatCard), self.query_one("#measured", StatCard)
+        timed.border_title = "MEASURED" if live.timing == "measured" else "MODELLED"
+        span = f"steps 1-{n:,}" if n else "same steps"
+        uncached, cached = live.work_over(n)
+        without.value = format_int(uncached) if n else "…"
+        without.note = span
+        if not self.cache_on:
             with_card.value, with_card.note = "off", "c turns it on"
-            speedup.value, speedup.note = "1x", "no cache, no saving"
-        speedup.set_class(self.cache_on, "-good")
-        self._show_measured()
-
-    def _show_measured(self) -> None:
-        measured = self.query_one("#measured", StatCard)
-        ratio = self.live.wall_speedup()
-        measured.value = format_ratio(ratio) if ratio else "…"
-        measured.note = "wall time"
+            speedup.value, speedup.note = "—", "no cache, nothing saved"
+            timed.value, timed.note = "—", "no cache to time"
+            speedup.set_class(False, "-good")
+            return
+        with_card.value = format_int(cached) if n else "…"
+        with_card.note = span
+        speedup.value = format_ratio(uncached / cached) if n else "…"
+        speedup.note = "fewer positions"
+        speedup.set_class(n > 0, "-good")
+        ratio = live.wall_speedup()
+        timed.value = format_ratio(ratio) if ratio else "…"
+        timed.note = "wall time" if live.timing == "measured" else "roofline"
 
     def redraw(self) -> None:
         uncached, cached = self.live.loop("uncached"), self.live.loop("cached")
+        prompt = self.live.prompt_text
         self.query_one("#stream-uncached", TokenStream).show(
-            uncached.text, uncached.last_text, uncached.steps
+            uncached.text, uncached.last_text, uncached.steps, prompt=prompt
         )
         self.query_one("#stream-cached", TokenStream).show(
-            cached.text, cached.last_text, cached.steps
+            cached.text, cached.last_text, cached.steps, prompt=prompt
         )
         self._show_mark()
-        self._show_measured()
+        self.show_cards()
         self.show_run_note()
         self.query_one("#why", Static).update(self._why())
         self.query_one("#per-step", Chart).draw(self._draw_per_step)
@@ -118,13 +130,18 @@ class CacheScreen(WorkScreen):
         if diverged is not None:
             mark.update(f"✗ first divergence at step {diverged + 1:,}")
         elif n:
-            mark.update(f"✓ identical: all {n:,} tokens")
+            mark.update(f"✓ identical so far: {n:,} tokens")
         else:
             mark.update("… comparing the two streams")
 
     def _why(self) -> str:
+        if self.live.timing != "measured":
+            return self._why_modelled()
         cached = self.live.loop("cached").step_seconds
-        lines = ["Measured is below the count: a batched recompute costs less per position."]
+        lines = [
+            "Measured is below the count: recomputing many positions in one pass costs less "
+            "per position than a one-token step."
+        ]
         values = cached.values[1:]
         if len(values) >= 8:
             quarter = len(values) // 4
@@ -134,58 +151,64 @@ class CacheScreen(WorkScreen):
                 f"A cached step: {format_seconds(early)} early, {format_seconds(late)} lately; "
                 "it still reads every cached key and value (screen 3)."
             )
-        else:
-            lines.append(
-                "A cached step gets slowly dearer with position: it still reads every cached "
-                "key and value (screen 3)."
-            )
         return "\n".join(lines)
 
-    def _draw_per_step(self, plt: Plot, points: int) -> None:
-        chart = self.query_one("#per-step", Chart)
-        length, prompt = self.length, 1
-        steps = sample_points(length, points)
-        plt.plot(
-            steps,
-            [naive_step_positions(t, prompt) for t in steps],
-            color=chart.rgb("primary"),
-            marker="braille",
+    def _why_modelled(self) -> str:
+        """Why the roofline's speedup is what it is: an uncached step is memory-bound, as
+        cheap as a cached one, until it recomputes enough positions to be compute-bound."""
+        try:
+            spec = parse_engine(self.live.settings.engine)
+            model, gpu = get_model(spec.model or ""), get_gpu(spec.gpu or "")
+        except (EngineError, UnknownNameError):
+            return "Times are modelled (roofline), not measured."
+        crossover = compute_bound_positions(model, gpu)
+        where = (
+            f"until it recomputes about {crossover:,} positions"
+            if crossover
+            else "at every length this model allows"
         )
-        if self.cache_on:
-            plt.plot(
-                steps,
-                [cached_step_positions(t, prompt) for t in steps],
-                color=chart.rgb("success"),
-                marker="braille",
+        return (
+            f"Modelled (roofline), not measured: on the {gpu.display_name} an uncached step "
+            f"reads the weights once, like a cached one, and costs the same {where}; past that "
+            "it is compute-bound and grows with the length."
+        )
+
+    def _series(self, trace: LoopTrace, points: int, cumulative: bool) -> tuple[list, list]:
+        counted = trace.positions_cumulative if cumulative else None
+        if cumulative:
+            xs, ys = downsample(range(1, len(counted) + 1), counted, points)
+        else:
+            xs, ys = downsample(
+                [s + 1 for s in trace.positions.steps], trace.positions.values, points
             )
-        plt.title("Work per step")
-        _axes(plt, length, naive_step_positions(length, prompt) * 1.05, chart.rows)
-        if self.has_class("-short"):  # the chart below labels the same steps: keep a row
-            plt.xticks([], [])
+        return list(xs), list(ys)
+
+    def _draw(self, chart_id: str, plt: Plot, points: int, cumulative: bool) -> None:
+        chart = self.query_one(f"#{chart_id}", Chart)
+        n = self.live.run_tokens
+        top = 1
+        loops = ("uncached", "cached") if self.cache_on else ("uncached",)
+        for loop in loops:
+            xs, ys = self._series(self.live.loop(loop), points, cumulative)
+            if xs:
+                plt.plot(xs, ys, color=chart.colour(loop), marker="braille")
+                top = max(top, max(ys))
+        plt.xlim(1, max(2, n))
+        plt.ylim(-0.04 * top, top * 1.05)  # the cached line's 1s stay clear of the axis
+        xt = [t for t in nice_ticks(n, 4) if t >= 1] or [1]
+        plt.xticks(xt, [format_tick(t) for t in xt])
+        yt = fitting_ticks(top, 3, chart.rows)
+        plt.yticks(yt, [format_tick(t) for t in yt])
+
+    def _draw_per_step(self, plt: Plot, points: int) -> None:
+        plt.title("Positions computed per step")
+        self._draw("per-step", plt, points, cumulative=False)
 
     def _draw_cumulative(self, plt: Plot, points: int) -> None:
-        chart = self.query_one("#cumulative", Chart)
-        length = self.length
-        steps = sample_points(length, points)
-        plt.plot(
-            steps,
-            [naive_cumulative(t) for t in steps],
-            color=chart.muted("primary", 0.7),
-            marker="braille",
-            fillx=True,
-        )
-        if self.cache_on:
-            plt.plot(
-                steps,
-                [cached_cumulative(t) for t in steps],
-                color=chart.rgb("success"),
-                marker="braille",
-                fillx=True,
-            )
-        saved = naive_cumulative(length) - (cached_cumulative(length) if self.cache_on else 0)
+        uncached, cached = self.live.work_over(self.live.compared_steps())
         plt.title(
-            f"Total work: {format_int(saved)} positions saved"
-            if self.cache_on
-            else "Total work without a cache"
+            f"Total: {format_int(uncached - cached)} positions saved so far"
+            if self.cache_on and cached
+            else "Total positions computed"
         )
-        _axes(plt, length, naive_cumulative(length) * 1.05, chart.rows)
+        self._draw("cumulative", plt, points, cumulative=True)

@@ -59,6 +59,8 @@ class LoopTrace:
     seconds_total: float = 0.0
     seconds_cumulative: list[float] = field(default_factory=list)
     """Wall seconds after each step (one float per step: for the wall-time speedup)."""
+    positions_cumulative: list[int] = field(default_factory=list)
+    """Positions computed after each step, as the engine counted them (one int per step)."""
     step_seconds: Series = field(default_factory=Series)
     positions: Series = field(default_factory=Series)
     last: StepSample | None = None
@@ -72,6 +74,8 @@ class LoopTrace:
         self.token_ids.append(sample.token_id)
         self.seconds_total += sample.step_seconds
         self.seconds_cumulative.append(self.seconds_total)
+        done = self.positions_cumulative[-1] if self.positions_cumulative else 0
+        self.positions_cumulative.append(done + sample.positions_computed)
         self.step_seconds.add(sample.step, sample.step_seconds)
         self.positions.add(sample.step, sample.positions_computed)
         self.last = sample
@@ -155,6 +159,11 @@ class LiveRun:
     def prompt_tokens(self) -> int:
         return self.started.prompt_tokens if self.started else 0
 
+    @property
+    def run_tokens(self) -> int:
+        """The length of the run: what was asked, or what a replay recorded."""
+        return self.started.tokens if self.started else self.settings.tokens
+
     def first_divergence(self) -> int | None:
         """The first step at which the two loops chose different tokens; None if none yet."""
         a, b = self.loops["uncached"].token_ids, self.loops["cached"].token_ids
@@ -176,6 +185,25 @@ class LiveRun:
         cached = self.loops["cached"].seconds_cumulative[n - 1]
         return uncached / cached if cached > 0 else None
 
+    def work_over(self, steps: int) -> tuple[int, int]:
+        """Positions the uncached and the cached loop computed over their first `steps` steps,
+        as the engine counted them (both loops must have run that far)."""
+        if steps == 0:
+            return 0, 0
+        return (
+            self.loops["uncached"].positions_cumulative[steps - 1],
+            self.loops["cached"].positions_cumulative[steps - 1],
+        )
+
+    @property
+    def timing(self) -> str:
+        """ "measured", or how else the engine's step times were had ("modelled (roofline)")."""
+        return self.started.timing if self.started else "measured"
+
+    @property
+    def prompt_text(self) -> str:
+        return self.started.prompt_text if self.started else ""
+
     def achieved_bandwidth(self) -> float | None:
         """Median bytes read per second of the recent cached steps (the step itself excluded the
         prefill, whose bytes and time are of a different kind)."""
@@ -194,8 +222,7 @@ class LiveRun:
 
     def status_line(self) -> str:
         """The run state in a few words, for the header."""
-        total = self.settings.tokens
-        done = max((trace.steps for trace in self.loops.values()), default=0)
+        total = self.run_tokens
         if self.state == "failed":
             return f"failed: {self.failure}" if self.failure else "failed"
         if self.state == "starting":
@@ -206,4 +233,10 @@ class LiveRun:
             "done": "done",
             "stopped": "stopped",
         }[self.state]
-        return f"{words} · step {done:,}/{total:,}"
+        steps = [self.loops[loop].steps for loop in self.settings.loops]
+        if len(set(steps)) <= 1:
+            words += f" · step {max(steps, default=0):,}/{total:,}"
+        else:
+            each = ", ".join(f"{loop} {self.loops[loop].steps:,}" for loop in self.settings.loops)
+            words += f" · {each} of {total:,}"
+        return words + (" · lesson mode" if self.settings.lesson else "")

@@ -303,10 +303,10 @@ class MemoryScreen(LessonScreen):
         right = max(self.context, longest) * 1.25
         xs = sample_points(int(right), points, first=0)
         ys = [(fixed + kv_bytes(spec, x, b.batch, b.kv_dtype)) / GIB for x in xs]
-        color = chart.rgb("error") if not b.fits else chart.rgb("warning")
+        color = chart.colour("memory" if b.fits else "overflow")
         plt.plot(xs, ys, color=color, marker="braille")
-        plt.hline(b.vram_bytes / GIB, color=chart.rgb("error"))
-        plt.vline(self.context, color=chart.muted("foreground", 0.6))
+        plt.hline(b.vram_bytes / GIB, color=chart.colour("capacity"))
+        plt.vline(self.context, color=chart.colour("marker"))
         top = max(ys[-1], b.vram_bytes / GIB) * 1.08
         plt.xlim(0, right)
         plt.ylim(0, top)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -10,7 +12,7 @@ from textual_plotext.plot import Plot
 
 from kvtui.format import format_int, format_percent, format_ratio, format_seconds, format_tick
 from kvtui.screens.base import WorkScreen
-from kvtui.sim.work import work_summary
+from kvtui.sim.work import naive_step_positions
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import (
     Chart,
@@ -25,17 +27,18 @@ from kvtui.widgets.stream import TokenStream
 
 NARRATIVE = (
     "Keys and values are the saved notes of each token, read by every later token. Without a "
-    "cache each step rebuilds all notes so far: step t recomputes t positions, so n tokens cost "
-    "n(n+1)/2, growing with the square of the length."
+    "cache each step rebuilds all notes so far: the step that emits token t after a P-token "
+    "prompt recomputes P + t - 1 positions, so the total grows with the square of the length."
 )
 
 CAPTION = (
-    "[$primary]━[/] positions recomputed per step   [$primary 50%]━[/] still to come\n"
-    "[$warning]━[/] measured time per step, smoothed (right axis)"
+    "[$primary]━[/] positions recomputed per step, measured   [$foreground 60%]•[/] the formula, "
+    "steps to come\n[$warning]━[/] measured time per step, smoothed (right axis: one position = "
+    "its median time)"
 )
 CAPTION_NARROW = (
-    "[$primary]━[/] positions recomputed  [$primary 50%]━[/] to come\n"
-    "[$warning]━[/] measured time per step, smoothed"
+    "[$primary]━[/] positions per step, measured  [$foreground 60%]•[/] formula, to come\n"
+    "[$warning]━[/] measured time per step (right axis)"
 )
 
 SMOOTHING_STEPS = 9
@@ -44,7 +47,8 @@ jitters by about +-20% from one step to the next)."""
 
 
 class RecomputeScreen(WorkScreen):
-    """The uncached run's tokens, its staircase of work per step, and the lesson's cards."""
+    """The uncached loop of the live run: its tokens, its staircase of work per step, measured,
+    and the cards the lesson draws from it."""
 
     TITLE_TEXT = "1 · Without a cache, every step redoes the whole history"
 
@@ -52,10 +56,10 @@ class RecomputeScreen(WorkScreen):
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(classes="cards"):
-            yield StatCard("PER STEP", id="per-step")
-            yield StatCard("TOTAL", id="total")
-            yield StatCard("WASTED", id="wasted")
-            yield StatCard("ANSWER", id="length")
+            yield StatCard("PER STEP", "…", id="per-step")
+            yield StatCard("TOTAL", "…", id="total")
+            yield StatCard("WASTED", "…", id="wasted")
+            yield StatCard("ANSWER", "…", id="length")
         with Horizontal(classes="middle"):
             yield TokenStream("Without a cache", id="stream")
             with Vertical(classes="chart-box"):
@@ -66,64 +70,87 @@ class RecomputeScreen(WorkScreen):
         yield Static(NARRATIVE, classes="narrative")
 
     def show_cards(self) -> None:
-        if not self.ready:
-            return
-        w = work_summary(self.length)
-        self.query_one("#per-step", StatCard).value = format_ratio(w.naive_last_step)
-        self.query_one("#per-step", StatCard).note = "the last step"
-        self.query_one("#total", StatCard).value = format_int(w.naive_total)
-        self.query_one("#total", StatCard).note = "positions"
-        wasted = self.query_one("#wasted", StatCard)
-        wasted.value = format_int(w.wasted)
-        wasted.note = f"{format_percent(w.wasted / w.naive_total)} redone"
-        wasted.set_class(w.wasted > 0, "-bad")
+        """The uncached loop's figures so far, as the engine counted them."""
+        trace = self.live.loop("uncached")
+        per_step, total, wasted = (
+            self.query_one(f"#{i}", StatCard) for i in ("per-step", "total", "wasted")
+        )
+        last = trace.last
+        if last is None:
+            per_step.value = total.value = wasted.value = "…"
+            per_step.note = total.note = wasted.note = "measured"
+        else:
+            done = trace.positions_cumulative[-1]
+            redone = done - last.positions_computed  # every position but the newest, again
+            per_step.value = format_ratio(last.positions_computed)
+            per_step.note = f"step {trace.steps:,}"
+            total.value, total.note = format_int(done), f"{trace.steps:,} steps"
+            wasted.value = format_int(redone)
+            wasted.note = f"{format_percent(redone / done)} redone"
+            wasted.set_class(redone > 0, "-bad")
         length = self.query_one("#length", StatCard)
-        length.value = str(w.length)
-        length.note = "tokens ←→"
+        length.value = format_int(self.live.run_tokens)
+        length.note = f"tokens, {trace.steps:,} done"
 
     def redraw(self) -> None:
         trace = self.live.loop("uncached")
-        self.query_one(TokenStream).show(trace.text, trace.last_text, trace.steps)
+        self.query_one(TokenStream).show(
+            trace.text, trace.last_text, trace.steps, prompt=self.live.prompt_text
+        )
+        self.show_cards()
         self.show_run_note()
         self.query_one("#staircase", Chart).draw(self._draw_staircase)
 
     def _draw_staircase(self, plt: Plot, points: int) -> None:
-        """Counted work per step as a step line (the live run's steps bright, the rest muted),
-        and the measured time per step, smoothed, on the right axis."""
+        """Positions per step as the engine counted them (bright), the formula's steps still to
+        come (dotted), and the measured time per step, smoothed, on the right axis, scaled so
+        that one position is the run's median time per position."""
         chart = self.query_one("#staircase", Chart)
-        length = self.length
-        trace = self.live.loop("uncached")
-        stairs = length <= points // 4  # few enough steps to draw each one flat
-        steps = sample_points(length, points)
-        xs, ys = step_line(steps, steps) if stairs else (steps, steps)
-        plt.plot(xs, ys, color=chart.muted("primary", 0.35), marker="braille")
-        done = [t for t in steps if t <= trace.steps]
-        if done:
-            dx, dy = step_line(done, done) if stairs else (done, done)
-            plt.plot(dx, dy, color=chart.rgb("primary"), marker="braille")
-        measured = trace.step_seconds
-        n = sum(1 for s in measured.steps if s < length)
-        if n:
-            at, _ = downsample(range(n), range(n), points)
-            smooth = rolling_median(measured.values[:n], SMOOTHING_STEPS, at=at)
-            top = max(smooth) * 1.15 or 1.0
-            plt.plot(
-                [measured.steps[i] + 1 for i in at],
-                [y / top for y in smooth],
-                color=chart.rgb("warning"),
-                marker="braille",
-                yside="right",
-            )
-            ticks = fitting_ticks(top, 3, chart.rows)
-            plt.ylim(0, 1, yside="right")
-            plt.yticks(
-                [t / top for t in ticks],
-                [format_seconds(t) if t else "0" for t in ticks],
-                yside="right",
-            )
-        plt.ylim(0, length * 1.05)
-        left = fitting_ticks(length, 4, chart.rows)
+        live, trace = self.live, self.live.loop("uncached")
+        n, P = live.run_tokens, max(1, live.prompt_tokens)
+        top = naive_step_positions(n, P)
+        stairs = n <= points // 4  # few enough steps to draw each one flat
+        todo = [t for t in sample_points(n, points) if t > trace.steps]
+        if todo:
+            ys = [naive_step_positions(t, P) for t in todo]
+            xs, ys = step_line(todo, ys) if stairs else (todo, ys)
+            plt.plot(xs, ys, color=chart.colour("formula"), marker="dot")
+        counted = trace.positions
+        if counted.steps:
+            xs, ys = downsample([s + 1 for s in counted.steps], counted.values, points)
+            xs, ys = step_line(xs, ys) if stairs else (xs, ys)
+            plt.plot(xs, ys, color=chart.colour("uncached"), marker="braille")
+        self._draw_time(plt, points, top)
+        plt.ylim(0, top * 1.05)
+        left = fitting_ticks(top, 4, chart.rows)
         plt.yticks(left, [format_tick(t) for t in left])
-        plt.xlim(0.5, length + 0.5)
-        xt = [t for t in nice_ticks(length, 5) if t >= 1] or [1]
+        plt.xlim(0.5, n + 0.5)
+        xt = [t for t in nice_ticks(n, 5) if t >= 1] or [1]
         plt.xticks(xt, [format_tick(t) for t in xt])
+
+    def _draw_time(self, plt: Plot, points: int, top_positions: int) -> None:
+        chart = self.query_one("#staircase", Chart)
+        trace = self.live.loop("uncached")
+        measured, counted = trace.step_seconds, trace.positions
+        if not measured.steps:
+            return
+        at, _ = downsample(range(len(measured.steps)), range(len(measured.steps)), points)
+        smooth = rolling_median(measured.values, SMOOTHING_STEPS, at=at)
+        per_position = statistics.median(
+            s / max(1, p) for s, p in zip(measured.values, counted.values, strict=False)
+        )
+        top = top_positions * 1.05 * per_position or 1.0
+        plt.plot(
+            [measured.steps[i] + 1 for i in at],
+            [y / top for y in smooth],
+            color=chart.colour("time"),
+            marker="braille",
+            yside="right",
+        )
+        ticks = fitting_ticks(top, 3, chart.rows)
+        plt.ylim(0, 1, yside="right")
+        plt.yticks(
+            [t / top for t in ticks],
+            [format_seconds(t) if t else "0" for t in ticks],
+            yside="right",
+        )

@@ -188,3 +188,28 @@ def roofline_seconds(flops: float, bytes_read: float, gpu: GPUSpec) -> float:
     """The least time a step can take on `gpu`: the slower of its compute and its memory reads
     at peak (Williams, Waterman and Patterson 2009, "Roofline")."""
     return max(flops / gpu.peak_bf16_flops, bytes_read / gpu.bandwidth_bytes_per_s)
+
+
+def compute_bound_positions(
+    spec: ModelSpec, gpu: GPUSpec, weights_dtype: str = "bf16", kv_dtype: str = "bf16"
+) -> int | None:
+    """The fewest positions at which recomputing them (one uncached step) turns compute-bound
+    on `gpu`: below it the step costs the same as reading the weights once, as a cached step
+    does; above it, it grows with the positions. None if that never happens within the model's
+    context. About the GPU's ridge point (FLOPs per byte) for 2-byte weights."""
+
+    def compute_bound(positions: int) -> bool:
+        flops = uncached_step_flops(spec, positions) / gpu.peak_bf16_flops
+        memory = uncached_step_bytes(spec, positions, weights_dtype, kv_dtype)
+        return flops >= memory / gpu.bandwidth_bytes_per_s
+
+    low, high = 1, spec.max_context
+    if not compute_bound(high):
+        return None
+    while low < high:  # the first compute-bound count: flops grow faster than bytes
+        middle = (low + high) // 2
+        if compute_bound(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low

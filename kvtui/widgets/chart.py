@@ -9,13 +9,65 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from textual.color import Color
 from textual_plotext import PlotextPlot
 from textual_plotext.plot import Plot
 
 RGB = tuple[int, int, int]
+
+SERIES: dict[str, tuple[str, float]] = {
+    "uncached": ("primary", 1.0),
+    "cached": ("success", 1.0),
+    "formula": ("foreground", 0.55),
+    "time": ("warning", 1.0),
+    "memory": ("warning", 1.0),
+    "overflow": ("error", 1.0),
+    "capacity": ("error", 1.0),
+    "marker": ("foreground", 0.6),
+}
+"""Every kind of series the screens draw: a theme colour and how far it is blended from the
+background (1.0: the colour itself). `series_colour` then makes it readable."""
+
+MIN_CONTRAST = 3.0
+"""WCAG 2's contrast for graphics a room must read (1.4.11, non-text contrast)."""
+
+
+def _luminance(color: Color) -> float:
+    """WCAG 2 relative luminance of an sRGB colour."""
+
+    def channel(value: int) -> float:
+        c = value / 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    return 0.2126 * channel(color.r) + 0.7152 * channel(color.g) + 0.0722 * channel(color.b)
+
+
+def contrast_ratio(a: Color, b: Color) -> float:
+    """WCAG 2 contrast ratio of two colours: 1 (the same) to 21 (black on white)."""
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def readable(color: Color, background: Color, minimum: float = MIN_CONTRAST) -> Color:
+    """`color`, moved towards white on a dark background or black on a light one, just far
+    enough to reach `minimum` contrast against `background` (unchanged if it already does)."""
+    target = Color(255, 255, 255) if _luminance(background) < 0.18 else Color(0, 0, 0)
+    for step in range(21):
+        moved = color.blend(target, step / 20)
+        if contrast_ratio(moved, background) >= minimum:
+            return moved
+    return target
+
+
+def series_colour(variables: Mapping[str, str], series: str) -> RGB:
+    """The readable RGB of a kind of series (`SERIES`) under a theme's resolved variables
+    (`App.theme_variables`: "background", "primary", ...)."""
+    name, alpha = SERIES[series]
+    background = Color.parse(variables["background"])
+    color = readable(background.blend(Color.parse(variables[name]), alpha), background)
+    return (color.r, color.g, color.b)
 
 
 def downsample(
@@ -82,20 +134,10 @@ class Chart(PlotextPlot):
         super().__init__(id=id, classes=classes)
         self._draw: Callable[[Plot, int], None] | None = None
 
-    def rgb(self, name: str) -> RGB:
-        """A theme colour (`primary`, `error`, ...) as the RGB tuple plotext takes."""
-        theme = self.app.current_theme
-        value = getattr(theme, name, None) or theme.foreground or "#888888"
-        color = Color.parse(value)
-        return (color.r, color.g, color.b)
-
-    def muted(self, name: str, alpha: float = 0.45) -> RGB:
-        """A theme colour blended towards the background."""
-        theme = self.app.current_theme
-        background = Color.parse(theme.background or "#000000")
-        color = Color.parse(getattr(theme, name, None) or "#888888")
-        mixed = background.blend(color, alpha)
-        return (mixed.r, mixed.g, mixed.b)
+    def colour(self, series: str) -> RGB:
+        """The RGB of a kind of series (`SERIES`) in the current theme, readable on its
+        background (at least MIN_CONTRAST)."""
+        return series_colour(self.app.theme_variables, series)
 
     @property
     def rows(self) -> int:

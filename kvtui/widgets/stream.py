@@ -35,10 +35,14 @@ class TokenStream(Widget):
         color: $text-muted;
         text-style: italic;
     }
+    TokenStream > .stream--prompt {
+        color: $text-muted;
+    }
     """
 
-    COMPONENT_CLASSES = {"stream--current", "stream--placeholder"}
+    COMPONENT_CLASSES = {"stream--current", "stream--placeholder", "stream--prompt"}
 
+    prompt: reactive[str] = reactive("")
     text: reactive[str] = reactive("")
     current: reactive[str] = reactive("")
     placeholder: reactive[str] = reactive("waiting for the first token...")
@@ -47,18 +51,20 @@ class TokenStream(Widget):
         super().__init__(id=id, classes=classes)
         self.border_title = title
 
-    def show(self, text: str, current: str, steps: int) -> None:
-        """The text so far and the newest token's text (already at the end of `text`)."""
-        self.text, self.current = text, current
+    def show(self, text: str, current: str, steps: int, *, prompt: str = "") -> None:
+        """The text so far and the newest token's text (already at the end of `text`), after
+        the prompt (dimmed: the model's input, not its output)."""
+        self.prompt, self.text, self.current = prompt, text, current
         self.border_subtitle = f"{steps:,} tokens" if steps else ""
 
     def render(self) -> RenderableType:
-        if not self.text:
+        if not self.text and not self.prompt:
             return Text(
                 self.placeholder, style=self.get_component_rich_style("stream--placeholder")
             )
         head = self.text[: len(self.text) - len(self.current)] if self.current else self.text
-        body = Text(printable(head))
+        body = Text(printable(self.prompt), style=self.get_component_rich_style("stream--prompt"))
+        body.append(printable(head))
         if self.current:
             body.append(
                 printable(self.current), style=self.get_component_rich_style("stream--current")

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from kvtui.cli import main
+from kvtui.engine.replay import read_record
 
 KEYS = {
     "engine",
@@ -136,4 +137,149 @@ def test_the_app_opens_on_a_good_engine(monkeypatch):
     )
     assert main(["--engine", "sim:llama-3.1-8b@h100", "--screen", "3", "--length", "32"]) == 0
     settings, options = opened[0]
-    assert settings.engine == "sim:llama-3.1-8b@h100" and options == {"screen": 3, "length": 32}
+    assert settings.engine == "sim:llama-3.1-8b@h100" and options == {"screen": 3}
+    assert settings.tokens == 32
+
+
+# --- what a record or a model says reaches the terminal escaped, and JSON stays JSON ------------
+
+
+def strict_json(text: str):
+    """JSON as RFC 8259 has it: NaN and Infinity refused."""
+
+    def refuse(name):
+        raise ValueError(f"{name} in the output")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def sim_record(tmp_path, tokens=4):
+    path = tmp_path / "run.jsonl"
+    args = ["bench", "--engine", "sim:gpt2@t4", "--tokens", str(tokens), "--replay-speed", "0"]
+    assert main([*args, "--record", str(path)]) == 0
+    return path, [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def rewrite(path, lines):
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+ESCAPES = "\x1b]0;PWNED\x07\x1b[2J\x9b31m\x7f"
+
+
+def test_control_characters_from_a_record_never_reach_the_terminal(tmp_path, capsys):
+    path, lines = sim_record(tmp_path)
+    capsys.readouterr()
+    lines[1]["model"] = f"evil{ESCAPES}"  # the started event
+    lines[1]["device"] = f"gpu{ESCAPES}"
+    lines[2]["text"] = ESCAPES
+    lines[-1]["message"] = f"done{ESCAPES}"
+    rewrite(path, lines)
+    assert main(["bench", "--engine", f"replay:{path}", "--replay-speed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\x9b\x7f")
+    assert "evil\\x1b]0;PWNED\\x07" in out and "done\\x1b]0;PWNED" in out
+    assert main(["bench", "--engine", f"replay:{path}", "--replay-speed", "0", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\x9b\x7f")
+    assert strict_json(out)["model"] == f"evil{ESCAPES}"  # escaped by JSON, intact inside
+
+
+def test_json_output_is_json_for_a_step_that_took_no_time(tmp_path, capsys):
+    path, lines = sim_record(tmp_path)
+    for line in lines:
+        if line.get("kind") == "step":
+            line["step_seconds"] = 5e-324  # the smallest float: rates overflow to infinity
+    rewrite(path, lines)
+    capsys.readouterr()
+    assert main(["bench", "--engine", f"replay:{path}", "--replay-speed", "0", "--json"]) == 0
+    r = strict_json(capsys.readouterr().out)
+    assert r["cached"]["tokens_per_s"] is None and r["achieved_bandwidth_bytes_per_s"] is None
+    assert main(["bench", "--engine", f"replay:{path}", "--replay-speed", "0"]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+
+
+# --- --record: whole or not at all, never over a file or through a link --------------------------
+
+SIM_RUN = ["bench", "--engine", "sim:gpt2@t4", "--tokens", "3", "--replay-speed", "0"]
+
+
+def refused(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_record_refuses_to_overwrite_without_force(tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    path.write_text("precious\n")
+    assert "already exists (--force replaces it)" in refused(
+        capsys, *SIM_RUN, "--record", str(path)
+    )
+    assert path.read_text() == "precious\n" and list(tmp_path.iterdir()) == [path]
+    assert main([*SIM_RUN, "--record", str(path), "--force", "--json"]) == 0
+    assert read_record(path)[1]  # replaced by a whole record
+
+
+def test_record_refuses_links_missing_folders_and_devices(tmp_path, capsys):
+    target = tmp_path / "elsewhere.jsonl"
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    assert "symbolic link" in refused(capsys, *SIM_RUN, "--record", str(link), "--force")
+    assert not target.exists()
+    missing = tmp_path / "no" / "such" / "run.jsonl"
+    assert "no such directory" in refused(capsys, *SIM_RUN, "--record", str(missing))
+    assert "not a regular file" in refused(capsys, *SIM_RUN, "--record", "/dev/null", "--force")
+    assert "not a regular file" in refused(capsys, *SIM_RUN, "--record", str(tmp_path))
+
+
+def test_a_full_disk_leaves_no_record_and_one_line(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import kvtui.engine.replay
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(kvtui.engine.replay.RecordWriter, "_write", full)
+    path = tmp_path / "run.jsonl"
+    err = refused(capsys, *SIM_RUN, "--record", str(path))
+    assert f"cannot write {path}: No space left on device" in err
+    assert list(tmp_path.iterdir()) == []  # neither the record nor its temporary file
+
+
+def test_ctrl_c_leaves_a_whole_replayable_record(tmp_path, capsys, monkeypatch):
+    import kvtui.engine.bench
+
+    real = kvtui.engine.bench.run_events
+
+    def interrupted(*args, **kwargs):
+        for n, event in enumerate(real(*args, **kwargs)):
+            if n == 4:  # started, then three cached steps
+                raise KeyboardInterrupt
+            yield event
+
+    monkeypatch.setattr(kvtui.engine.bench, "run_events", interrupted)
+    path = tmp_path / "run.jsonl"
+    code = main([*SIM_RUN[:3], "--tokens", "8", "--replay-speed", "0", "--record", str(path)])
+    err = capsys.readouterr().err
+    assert code == 130 and err == f"kvtui: interrupted after 3 steps; recorded to {path}\n"
+    header, events = read_record(path)
+    assert [e.kind for e in events] == ["started", "step", "step", "step", "finished", "finished"]
+    assert {e.loop: e.reason for e in events if e.kind == "finished"} == {
+        "cached": "cancelled",
+        "uncached": "cancelled",
+    }
+    assert [p.name for p in tmp_path.iterdir()] == ["run.jsonl"]
+
+
+def test_a_prompt_with_bytes_that_are_not_utf8(tmp_path, capsys):
+    """A prompt from a command line holding bytes that are not UTF-8 (Python keeps them as lone
+    surrogates) is echoed, run and recorded; the bytes read back as U+FFFD."""
+    path = tmp_path / "run.jsonl"
+    prompt = "caf\udcc3\udca9 \udcff"  # b"caf\xc3\xa9 \xff" as os.fsdecode gives it
+    assert main([*SIM_RUN, "--prompt", prompt, "--record", str(path)]) == 0
+    capsys.readouterr()
+    header, _ = read_record(path)
+    assert header["settings"]["prompt"] == "café \ufffd"

@@ -183,7 +183,7 @@ def test_steps_carry_the_engine_protocol_fields(saved):
     settings = RunSettings(engine=f"hf:{directory}", device="cpu", tokens=4, greedy=True)
     engine = open_engine(settings)
     try:
-        events = list(run_events(engine, settings, lockstep=False))
+        events = list(run_events(engine, settings, schedule="sequential"))
     finally:
         engine.close()
     started = events[0]
@@ -313,3 +313,193 @@ def test_a_cancelled_run_lets_go_of_its_cache(saved):
     gc.collect()
     assert cache() is None
     engine.close()
+
+
+# --- weights: exactly the folder's safetensors, checked, never a pickle --------------------------
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "vocab_size": 300,
+    "max_position_embeddings": 256,
+}
+
+
+def safetensors_bytes(header: dict | None = None, data: bytes = bytes(8)) -> bytes:
+    """A safetensors file: one F32 tensor of 2 elements unless `header` says otherwise."""
+    import struct
+
+    header = header or {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+class Touch:
+    """Unpickling this creates a file: what a malicious pytorch_model.bin can do."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def armed_pickle(marker) -> bytes:
+    import pickle
+
+    data = pickle.dumps(Touch(marker))
+    control = marker.with_name("control")
+    pickle.loads(pickle.dumps(Touch(control)))  # the payload works: loading it creates a file
+    assert control.exists()
+    return data
+
+
+def index(*files: str) -> str:
+    return json.dumps({"metadata": {}, "weight_map": {f"t{i}": f for i, f in enumerate(files)}})
+
+
+def _only_a_pickle(d, out, marker):
+    (d / "pytorch_model.bin").write_bytes(armed_pickle(marker))
+    return "no safetensors weights (found pytorch_model.bin)"
+
+
+def _index_names_a_pickle(d, out, marker):
+    (d / "pytorch_model.bin").write_bytes(armed_pickle(marker))
+    (d / "stray.safetensors").write_bytes(b"")  # enough for the old glob check
+    (d / "model.safetensors.index.json").write_text(index("pytorch_model.bin"))
+    return "'pytorch_model.bin', not a .safetensors file"
+
+
+def _index_climbs_out(d, out, marker):
+    (out / "x.safetensors").write_bytes(safetensors_bytes())
+    (d / "model.safetensors.index.json").write_text(index("../outside/x.safetensors"))
+    return "outside the model folder"
+
+
+def _index_absolute(d, out, marker):
+    (out / "x.safetensors").write_bytes(safetensors_bytes())
+    (d / "model.safetensors.index.json").write_text(index(str(out / "x.safetensors")))
+    return "outside the model folder"
+
+
+def _link_out_of_the_folder(d, out, marker):
+    (out / "x.safetensors").write_bytes(safetensors_bytes())
+    (d / "model.safetensors").symlink_to(out / "x.safetensors")
+    return "a link to"
+
+
+def _empty_safetensors(d, out, marker):
+    (d / "model.safetensors").write_bytes(b"")
+    return "not a safetensors file (0 bytes)"
+
+
+def _header_longer_than_the_file(d, out, marker):
+    (d / "model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    return "corrupt safetensors header (it claims 1,000,000,000,000 bytes"
+
+
+def _offsets_past_the_end(d, out, marker):
+    header = {"w": {"dtype": "F32", "shape": [2**20], "data_offsets": [0, 2**22]}}
+    (d / "model.safetensors").write_bytes(safetensors_bytes(header))
+    return "outside the file's 8 bytes of data"
+
+
+def _header_not_json(d, out, marker):
+    (d / "model.safetensors").write_bytes((4).to_bytes(8, "little") + b"{{{{" + bytes(8))
+    return "corrupt safetensors header (line 1"
+
+
+def _config_names_a_pickle(d, out, marker):
+    (d / "adapter_model.bin").write_bytes(armed_pickle(marker))
+    (d / "model.safetensors").write_bytes(safetensors_bytes())
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(
+        json.dumps({**config, "transformers_weights": "adapter_model.bin"})
+    )
+    return "transformers_weights 'adapter_model.bin' is not a safetensors file"
+
+
+def _peft_adapter(d, out, marker):
+    (d / "model.safetensors").write_bytes(safetensors_bytes())
+    (d / "adapter_config.json").write_text("{}")
+    return "PEFT adapter"
+
+
+def _tokenizer_is_a_fifo(d, out, marker):
+    import os
+
+    (d / "model.safetensors").write_bytes(safetensors_bytes())
+    os.mkfifo(d / "tokenizer.json")  # transformers would block on it for ever
+    return "tokenizer.json is a FIFO, not a regular file"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _only_a_pickle,
+        _index_names_a_pickle,
+        _index_climbs_out,
+        _index_absolute,
+        _link_out_of_the_folder,
+        _empty_safetensors,
+        _header_longer_than_the_file,
+        _offsets_past_the_end,
+        _header_not_json,
+        _config_names_a_pickle,
+        _peft_adapter,
+        _tokenizer_is_a_fifo,
+    ],
+)
+def test_weights_kvtui_will_not_load(tmp_path, capsys, monkeypatch, make):
+    """Refused in one line before transformers or torch.load sees the folder; no pickle runs."""
+    folder, outside, marker = tmp_path / "model", tmp_path / "outside", tmp_path / "marker"
+    outside.mkdir()
+    write_config(folder, **TINY_LLAMA)
+    says = make(folder, outside, marker)
+    loads = []
+    for owner, name in [
+        (transformers.AutoModelForCausalLM, "from_pretrained"),
+        (transformers.AutoTokenizer, "from_pretrained"),
+        (torch, "load"),
+    ]:
+        monkeypatch.setattr(owner, name, lambda *a, _n=name, **k: loads.append(_n))
+    assert says in bad(capsys, "--model", str(folder))
+    assert loads == [] and not marker.exists()
+    # ...and the app refuses it before it opens (kvtui.engine.spec.check_engine).
+    from kvtui.engine.protocol import EngineError, RunSettings
+    from kvtui.engine.spec import check_engine
+
+    with pytest.raises(EngineError, match="safetensors|PEFT|FIFO|outside|link"):
+        check_engine(RunSettings(engine=f"hf:{folder}", device="cpu", tokens=2))
+    assert loads == [] and not marker.exists()
+
+
+def test_sharded_weights_inside_the_folder_load(saved, tmp_path, capsys):
+    """The index form: every shard named, inside the folder, checked; then it runs."""
+    directory, model, tokenizer = saved
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, safe_serialization=True, max_shard_size="40KB")
+    tokenizer.save_pretrained(sharded)
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert (sharded / "model.safetensors.index.json").exists()
+    expected = bench(capsys, directory, "--greedy")["token_ids"]
+    assert bench(capsys, sharded, "--greedy")["token_ids"] == expected
+
+
+def test_too_many_tokens_for_the_model_is_refused_before_loading(saved, capsys, monkeypatch):
+    directory, _, _ = saved
+    loads = []
+    monkeypatch.setattr(
+        transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a)
+    )
+    code = main(["bench", "--model", str(directory), "--device", "cpu", "--tokens", "300"])
+    err = capsys.readouterr().err
+    assert code == 2 and "past" in err and "256" in err and err.count("\n") == 1
+    assert loads == []

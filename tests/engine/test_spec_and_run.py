@@ -65,7 +65,7 @@ def test_sim_steps_agree_with_kvtui_sim_exactly():
 
 def test_sim_run_stops_out_of_memory_where_the_cache_fills_the_gpu():
     settings = RunSettings(
-        engine="sim:llama-3.1-8b@l4", tokens=200_000, replay_speed=0, loops=("cached",)
+        engine="sim:llama-3.1-8b@l4", tokens=131_000, replay_speed=0, loops=("cached",)
     )
     events = list(run_events(open_engine(settings), settings))
     spec, gpu = get_model("llama-3.1-8b"), get_gpu("l4")
@@ -254,3 +254,33 @@ def test_child_rejects_bad_settings():
     )
     assert out.returncode == 2
     assert json.loads(out.stdout)["kind"] == "failed"
+
+
+# --- the engine's process runs no code from where kvtui was started -----------------------------
+
+
+MODULE_THAT_TELLS = "import pathlib\npathlib.Path({marker!r}).touch()\n"
+
+
+@pytest.mark.parametrize("how", ["cwd", "PYTHONPATH"])
+def test_engine_process_imports_nothing_from_the_users_directory(tmp_path, monkeypatch, how):
+    """A json.py (imported by every engine) and a torch.py in the directory the app was started
+    from, or on PYTHONPATH, are never imported by the engine's process."""
+    marker = tmp_path / "imported"
+    for name in ("json", "torch", "kvtui_sitecustomize", "sitecustomize"):
+        (tmp_path / f"{name}.py").write_text(MODULE_THAT_TELLS.format(marker=str(marker)))
+    if how == "cwd":
+        monkeypatch.chdir(tmp_path)
+    else:
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    # A relative replay path still names the file in the directory the app was started from.
+    events = list(run_events(open_engine(replace(SIM, tokens=3)), replace(SIM, tokens=3)))
+    record = tmp_path / "run.jsonl"
+    write_record(record, replace(SIM, tokens=3), events)
+    monkeypatch.chdir(tmp_path)
+    proc = EngineProcess(RunSettings(engine="replay:run.jsonl", replay_speed=0))
+    proc.start()
+    got = list(proc.events())
+    proc.close()
+    assert got == events, got[-1]
+    assert not marker.exists()

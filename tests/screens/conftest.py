@@ -8,6 +8,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,11 @@ PROBE = {
 SETTINGS = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=32, seed=0)
 
 
-def build(screen: int = 1, length: int = 24, **engine_options) -> KVApp:
+def build(screen: int = 1, tokens: int = 32, *, lesson: bool = False, **engine_options) -> KVApp:
     """The app on a screen, with a deterministic fake engine and a fixed probe."""
     return make_app(
-        SETTINGS,
+        replace(SETTINGS, tokens=tokens, lesson=lesson),
         screen,
-        length,
         probe=PROBE,
         engine_factory=lambda settings: FakeEngine(settings, **engine_options),
     )

@@ -5,7 +5,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from kvtui.engine.protocol import Event, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.engine.protocol import (
+    Event,
+    RunSettings,
+    RunStarted,
+    StepSample,
+    run_events,
+)
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
 from kvtui.sim.work import (
@@ -40,33 +46,54 @@ WORDS = [
 ]
 
 
+PROMPT_TOKENS = 9
+"""The fake run's prompt, in tokens (1 in lesson mode)."""
+
+
+class _Steps:
+    """Per-loop step lists as a StepSource, so that `run_events` orders them as a real run."""
+
+    def __init__(self, started: RunStarted, steps: dict[str, list[StepSample]]) -> None:
+        self._started, self._steps = started, steps
+
+    def started(self) -> RunStarted:
+        return self._started
+
+    def steps(self, loop):
+        yield from self._steps[loop]
+
+    def close(self) -> None:
+        pass
+
+
 def sim_events(
     settings: RunSettings, model: str = "llama-3.1-8b", gpu: str = "h100"
 ) -> list[Event]:
-    """A deterministic run of both loops in lockstep, timed by a made-up but fixed rule."""
+    """A deterministic run of both loops, timed by a made-up but fixed rule, in the order the
+    engine's fair schedule gives them (the cached loop's short steps race ahead)."""
     spec, card = get_model(model), get_gpu(gpu)
-    prompt = 9
+    prompt = 1 if settings.lesson else PROMPT_TOKENS
     per_token = kv_bytes_per_token(spec, "bf16")
-    events: list[Event] = [
-        RunStarted(
-            engine=settings.engine,
-            model=model,
-            device=f"sim: {gpu}",
-            dtype="bf16",
-            layers=spec.layers,
-            kv_heads=spec.kv_heads,
-            head_dim=spec.head_dim,
-            kv_bytes_per_token=per_token,
-            weights_bytes=weights_bytes(spec, "bf16"),
-            prompt_tokens=prompt,
-            tokens=settings.tokens,
-            peak_bandwidth_bytes_per_s=card.bandwidth_bytes_per_s,
-            device_memory_total_bytes=card.memory_bytes,
-        )
-    ]
+    started = RunStarted(
+        engine=settings.engine,
+        model=model,
+        device=f"sim: {gpu}",
+        dtype="bf16",
+        layers=spec.layers,
+        kv_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        kv_bytes_per_token=per_token,
+        weights_bytes=weights_bytes(spec, "bf16"),
+        prompt_tokens=prompt,
+        tokens=settings.tokens,
+        peak_bandwidth_bytes_per_s=card.bandwidth_bytes_per_s,
+        device_memory_total_bytes=card.memory_bytes,
+        prompt_text=" ".join(WORDS[:prompt]),
+    )
+    steps: dict[str, list[StepSample]] = {loop: [] for loop in settings.loops}
     for step in range(settings.tokens):
         position = prompt + step
-        text = ("" if step == 0 else " ") + WORDS[step % len(WORDS)]
+        text = " " + WORDS[(prompt + step) % len(WORDS)]
         for loop in settings.loops:
             cached = loop == "cached"
             t = step + 1
@@ -85,12 +112,12 @@ def sim_events(
                 if cached
                 else 0.004 + 0.0009 * position
             )
-            events.append(
+            steps[loop].append(
                 StepSample(
                     loop=loop,
                     step=step,
                     position=position,
-                    token_id=step % len(WORDS),
+                    token_id=(prompt + step) % len(WORDS),
                     text=text,
                     positions_computed=computed,
                     flops=flops,
@@ -99,8 +126,7 @@ def sim_events(
                     kv_bytes=per_token * position if cached else 0,  # positions 0..position-1
                 )
             )
-    events += [RunFinished(loop, "done", settings.tokens) for loop in settings.loops]
-    return events
+    return list(run_events(_Steps(started, steps), settings))
 
 
 class FakeEngine:
@@ -124,6 +150,8 @@ class FakeEngine:
         self._resumed.set()
         self.started = False
         self.paused_calls = 0
+        self.sent: list[Event] = []
+        """The events handed to the app so far."""
         FakeEngine.instances.append(self)
 
     def start(self) -> None:
@@ -138,6 +166,7 @@ class FakeEngine:
             self._resumed.wait()
             if self._closed.is_set():
                 return
+            self.sent.append(event)
             yield event
 
     def pause(self) -> None:

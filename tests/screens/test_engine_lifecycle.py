@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from conftest import build, notifications, wait_for
 from fakes import FakeEngine
 from textual.worker import WorkerState
@@ -70,22 +72,21 @@ async def test_a_dying_engine_says_so_and_offers_restart():
         assert any("signal 9" in m for m in notifications(seen))
 
 
-async def test_restart_with_a_longer_length_asks_the_engine_for_more_tokens():
-    app = build(1, 24, hold_at=10)  # the run generates 32 tokens
+async def test_r_runs_exactly_the_chosen_length_longer_or_shorter():
+    app = build(1, 32, hold_at=10)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.pause()
-        await pilot.press(*["right"] * 16)  # 24 -> 40
+        await pilot.press(*["right"] * 8)  # 32 -> 40
         note = app.screen.query_one("#run-note")
-        assert "live run: 32 of 40 steps; r restarts with the new length" in str(note.render())
+        assert "r runs 40 tokens (this run: 32)" in str(note.render())
         assert note.has_class("-beyond")
         await pilot.press("r")
         await pilot.pause()
-        assert FakeEngine.instances[-1].settings.tokens == 40
-        assert app.live.settings.tokens == 40
+        assert FakeEngine.instances[-1].settings.tokens == 40 == app.live.run_tokens
         assert not note.has_class("-beyond")
-        await pilot.press(*["left"] * 10, "r")  # shorter than the run: it keeps its 40
+        await pilot.press(*["left"] * 10, "r")  # shorter: it runs shorter
         await pilot.pause()
-        assert FakeEngine.instances[-1].settings.tokens == 40
+        assert FakeEngine.instances[-1].settings.tokens == 30
 
 
 async def test_restart_is_capped_at_the_longest_length():
@@ -104,7 +105,7 @@ async def test_an_engine_that_refuses_the_length_says_why():
     from kvtui.engine.protocol import RunFinished
 
     why = "4,140 positions is past the model's 4,096"
-    started = sim_events(SETTINGS)[0]
+    started = replace(sim_events(SETTINGS)[0], max_positions=4096)
     events = [
         started,
         RunFinished("uncached", "error", 0, why),
@@ -120,7 +121,7 @@ async def test_an_engine_that_refuses_the_length_says_why():
         header = str(app.screen.query_one("RunHeader").render())
         assert why in header and "r restarts" in header
         told = [m for m in notifications(seen) if why in m]
-        assert len(told) == 1 and "Shorten the length" in told[0]
+        assert len(told) == 1 and "r runs 32 tokens (at most 4,087 fit)" in told[0]
 
 
 async def test_restart_stays_within_the_models_positions():
@@ -137,5 +138,5 @@ async def test_restart_stays_within_the_models_positions():
         await app.workers.wait_for_complete()
         await pilot.press(*["right"] * 60, "r")
         await pilot.pause()
-        assert app.length > 50
+        assert app.length == 50  # capped: the model holds no more after its prompt
         assert FakeEngine.instances[-1].settings.tokens == 50

@@ -34,9 +34,9 @@ async def test_80x24_screen1_keeps_its_narrative_and_legend():
         await settle(app, pilot)
         assert app.screen.has_class("-narrow") and app.screen.has_class("-short")
         text = screen_text(app)
-        assert "growing with the square of the length." in text
-        assert "measured time per step, smoothed" in text
-        assert "steps 1-24 of the live run's 32" in text
+        assert "grows\n with the square of the length." in text
+        assert "measured time per step (right axis)" in text
+        assert "9 prompt tokens (l: lesson mode)" in text
 
 
 async def test_80x24_screen2_keeps_its_explanation_and_legend():
@@ -46,7 +46,11 @@ async def test_80x24_screen2_keeps_its_explanation_and_legend():
         text = " ".join(screen_text(app).split())  # lines re-joined: the wrap does not matter
         assert "it still reads every cached key and value (screen 3)." in text
         assert "with a cache x: tokens" in text
-        assert "identical: all 32 tokens" in text
+        assert "identical so far: 24 tokens" in text
+        assert "Positions computed per step" in text and "Total:" not in text
+        await pilot.press("v")  # one chart at a time on a short terminal: the totals
+        text = " ".join(screen_text(app).split())
+        assert "Total: 460 positions saved so far" in text
 
 
 async def test_header_shortens_the_device_and_help_gives_it_in_full():

@@ -31,9 +31,7 @@ def test_gpu_from_probe(probe, expected):
 
 
 def _app(probe: dict):
-    return make_app(
-        SETTINGS, 3, 24, probe=probe, engine_factory=lambda settings: FakeEngine(settings)
-    )
+    return make_app(SETTINGS, 3, probe=probe, engine_factory=lambda settings: FakeEngine(settings))
 
 
 async def test_screen3_budgets_for_the_probed_gpu():

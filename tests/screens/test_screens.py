@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from conftest import build
+from dataclasses import replace
+
+from conftest import SETTINGS, build, screen_text, wait_for
+from fakes import FakeEngine, sim_events
 from textual.widgets import Static
 
+from kvtui.engine.protocol import RunStarted
+from kvtui.engine.roofline import MODELLED
+from kvtui.format import format_ratio
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.quiz import QuizScreen
@@ -27,39 +33,50 @@ async def settle(app, pilot) -> None:
     await pilot.pause()
 
 
-async def test_screen1_cards_for_the_lesson_length():
+async def test_screen1_cards_are_the_runs_counts():
+    """The cards are what the engine counted: P + t - 1 positions at step t (P = 9 here)."""
     app = build(1, 24)
-    async with app.run_test(size=SIZE):
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
         assert isinstance(app.screen, RecomputeScreen)
+        P = app.live.prompt_tokens
+        assert P == 9
+        total = sum(P + t - 1 for t in range(1, 25))
+        assert (card(app, "per-step"), card(app, "total"), card(app, "wasted")) == (
+            f"{P + 23}x",
+            f"{total:,}",
+            f"{total - (P + 23):,}",
+        )
+        assert card(app, "total") == f"{app.live.loop('uncached').positions_cumulative[-1]:,}"
+
+
+async def test_lesson_mode_shows_the_lessons_numbers_measured():
+    """l: a one-token prompt and 24 tokens; the run's own counts are then 24x, 300, 276."""
+    app = build(1, 32)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press("l")
+        await settle(app, pilot)
+        assert app.live.settings.lesson and app.live.prompt_tokens == 1
+        assert FakeEngine.instances[-1].settings.tokens == 24
         assert (card(app, "per-step"), card(app, "total"), card(app, "wasted")) == (
             "24x",
             "300",
             "276",
         )
-
-
-async def test_screen1_length_keys_move_the_cards():
-    app = build(1, 24)
-    async with app.run_test(size=SIZE) as pilot:
-        await pilot.press(*["right"] * 8)
-        assert card(app, "length") == "32"
-        assert (card(app, "per-step"), card(app, "total"), card(app, "wasted")) == (
-            "32x",
-            "528",
-            "496",
-        )
-        await pilot.press("minus", "left")
-        assert card(app, "total") == "465"  # 30 x 31 / 2
-        await pilot.press(*["left"] * 40)
-        assert card(app, "length") == "1"  # clamped at 1
-
-
-async def test_screen2_cards_and_identical_mark():
-    app = build(1, 24)
-    async with app.run_test(size=SIZE) as pilot:
-        await pilot.press(*["right"] * 8)  # 32, chosen on screen 1
         await pilot.press("2")
-        assert isinstance(app.screen, CacheScreen)
+        await settle(app, pilot)
+        assert (card(app, "without"), card(app, "with"), card(app, "speedup")) == (
+            "300",
+            "24",
+            "12.5x",
+        )
+        assert "lesson mode" in screen_text(app)
+
+
+async def test_screen2_compares_the_same_span_of_both_loops():
+    app = build(2, 32, lesson=True)
+    async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         assert (card(app, "without"), card(app, "with"), card(app, "speedup")) == (
             "528",
@@ -68,7 +85,27 @@ async def test_screen2_cards_and_identical_mark():
         )
         mark = app.screen.query_one("#same-mark", Static)
         assert "identical" in str(mark.render()) and mark.has_class("-identical")
-        assert card(app, "measured").endswith("x")
+        uncached = app.live.loop("uncached").seconds_cumulative[-1]
+        cached = app.live.loop("cached").seconds_cumulative[-1]
+        assert card(app, "measured") == format_ratio(uncached / cached)
+
+
+async def test_the_cached_stream_races_ahead_mid_run():
+    """Mid-run (the engine held after 40 events), the cached loop is further on, and the cards
+    compare only the steps both loops have made."""
+    app = build(2, 32, lesson=True, hold_at=40)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.live.loop("uncached").steps > 0)
+        await wait_for(pilot, lambda: len(FakeEngine.instances[-1].sent) >= 40)
+        await pilot.pause()
+        app.screen.redraw_now()
+        cached, uncached = app.live.loop("cached").steps, app.live.loop("uncached").steps
+        assert cached > uncached > 0
+        n = uncached
+        assert card(app, "without") == f"{n * (n + 1) // 2:,}"
+        assert card(app, "with") == f"{n:,}"
+        stream = app.screen.query_one("#stream-cached")
+        assert f"{cached} tokens" in stream.border_subtitle
 
 
 async def test_screen2_shows_the_first_divergence():
@@ -81,7 +118,7 @@ async def test_screen2_shows_the_first_divergence():
     tampered = [
         StepSample(**{**vars(e), "token_id": 999}) if _is(e, "cached", 5) else e for e in events
     ]
-    app = build(2, 24, events=tampered)
+    app = build(2, 32, events=tampered)
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         mark = app.screen.query_one("#same-mark", Static)
@@ -93,15 +130,56 @@ def _is(event, loop, step) -> bool:
     return getattr(event, "loop", None) == loop and getattr(event, "step", None) == step
 
 
-async def test_c_turns_the_cache_on_and_off():
+async def test_c_off_leaves_no_cache_figure_on_screen():
     app = build(1, 24)
     async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
         await pilot.press("c")
         assert isinstance(app.screen, CacheScreen) and app.screen.cache_on
         await pilot.press("c")
-        assert not app.screen.cache_on
-        assert card(app, "with") == "off"
-        assert app.screen.has_class("-cache-off")
+        await pilot.pause()
+        assert not app.screen.cache_on and app.screen.has_class("-cache-off")
+        assert (card(app, "with"), card(app, "speedup"), card(app, "measured")) == (
+            "off",
+            "—",
+            "—",
+        )
+        text = screen_text(app)
+        assert "With a cache" not in text and "identical" not in text
+        assert "saved" not in text
+
+
+async def test_the_chosen_length_is_what_r_runs():
+    app = build(1, 24)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        await pilot.press(*["right"] * 8)
+        assert app.length == 32 and card(app, "length") == "24"  # still the run's
+        assert "r runs 32 tokens" in screen_text(app)
+        await pilot.press("r")
+        await settle(app, pilot)
+        assert FakeEngine.instances[-1].settings.tokens == 32 == app.live.run_tokens
+        assert card(app, "length") == "32"
+        await pilot.press(*["left"] * 20, "r")  # shorter runs shorter
+        await settle(app, pilot)
+        assert FakeEngine.instances[-1].settings.tokens == 12
+        await pilot.press(*["left"] * 40)
+        assert app.length == 1  # clamped at 1
+
+
+async def test_the_sim_engine_says_modelled_and_why():
+    """Times from the roofline are labelled modelled, and the screen says why its speedup is
+    what it is (llama-3.1-8b on an H100 turns compute-bound at about 295 positions)."""
+    events = [
+        replace(e, timing=MODELLED) if isinstance(e, RunStarted) else e
+        for e in sim_events(SETTINGS)
+    ]
+    app = build(2, 32, events=events)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        text = screen_text(app)
+        assert "MODELLED" in text and "MEASURED" not in text
+        assert "about 295 positions" in text
 
 
 async def test_screen3_turns_red_past_capacity_and_clears_below():

@@ -200,6 +200,7 @@ def test_decode_bytes_are_weights_plus_cache():
 
 def test_decode_is_memory_bound_at_batch_1():
     spec, gpu = get_model("llama-3.1-8b"), get_gpu("h100")
+
     def intensity(batch: int) -> float:
         return decode_step_flops(spec, 1024, batch) / decode_step_bytes(spec, 1024, batch=batch)
 
@@ -214,3 +215,21 @@ def test_roofline_takes_the_slower_of_compute_and_memory():
     flops, read = decode_step_flops(spec, 1024), decode_step_bytes(spec, 1024)
     assert roofline_seconds(flops, read, gpu) == read / 3.35e12
     assert roofline_seconds(1e18, 1, gpu) == 1e18 / gpu.peak_bf16_flops
+
+
+def test_an_uncached_step_turns_compute_bound_near_the_ridge_point():
+    from kvtui.sim.work import compute_bound_positions
+
+    spec, gpu = get_model("llama-3.1-8b"), get_gpu("h100")
+    t = compute_bound_positions(spec, gpu)
+    assert t is not None and 0.5 * gpu.ridge_flops_per_byte < t < 1.5 * gpu.ridge_flops_per_byte
+
+    def bound(positions: int) -> bool:
+        return (
+            roofline_seconds(
+                uncached_step_flops(spec, positions), uncached_step_bytes(spec, positions), gpu
+            )
+            > uncached_step_bytes(spec, positions) / gpu.bandwidth_bytes_per_s
+        )
+
+    assert bound(t + 1) and not bound(t - 1)

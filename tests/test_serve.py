@@ -1,0 +1,268 @@
+"""`kvtui serve` without a browser: its checks (one line, exit 2), the command each tab runs, the
+busy page, the refused cross-site websocket, and the ending of a process tree.
+
+The browser tests (tests/browser) start a real server; these stop short of serving, by handing
+`cmd_serve` a server that returns as soon as it is ready, or by driving the aiohttp app in
+process.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvtui import serve
+from kvtui.cli import build_parser, main
+
+ENGINE = "sim:llama-3.1-8b@h100"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_usage_error(capsys, *argv, says):
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1, err  # one line
+    assert "Traceback" not in err
+    assert says in err
+    return err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ReadyServer:
+    """Stands in for the textual-serve server: says it is ready, then returns (no serving)."""
+
+    def __init__(self, command, sockets, max_sessions):
+        self.command, self.sockets, self.max_sessions = command, sockets, max_sessions
+        self.addresses = []
+
+    async def run(self, on_ready):
+        self.addresses = [sock.getsockname() for sock in self.sockets]
+        on_ready()
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """The servers `cmd_serve` made, none of which serves."""
+    servers = []
+
+    def make(*args):
+        servers.append(ReadyServer(*args))
+        return servers[-1]
+
+    monkeypatch.setattr(serve, "make_server", make)
+    return servers
+
+
+# --- bad input: one line, exit 2 ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("port", ["0", "70000", "-1", "http"])
+def test_a_port_out_of_range_is_one_line(capsys, port):
+    assert_usage_error(capsys, "serve", "--port", port, says="expected a port from 1 to 65535")
+
+
+def test_a_port_in_use_is_one_line(capsys, made):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_usage_error(
+            capsys, "serve", "--port", str(port), "--engine", ENGINE, says=f"port {port} on"
+        )
+    assert made == []
+
+
+def test_an_address_not_of_this_machine_is_one_line(capsys, made):
+    # 192.0.2.1 is reserved for documentation (RFC 5737): never an address of this machine.
+    assert_usage_error(
+        capsys, "serve", "--host", "192.0.2.1", "--engine", ENGINE, says="not an address of this"
+    )
+
+
+def test_without_the_extra_it_says_how_to_install_it(capsys, monkeypatch, made):
+    monkeypatch.setitem(sys.modules, "textual_serve", None)
+    monkeypatch.setitem(sys.modules, "textual_serve.server", None)
+    assert_usage_error(capsys, "serve", "--engine", ENGINE, says="pip install 'kvtui[serve]'")
+
+
+def test_a_bad_engine_is_refused_before_serving(capsys, made):
+    assert_usage_error(capsys, "serve", "--engine", "sim:nope@h100", says="unknown model 'nope'")
+    assert made == []
+
+
+# --- serving -------------------------------------------------------------------------------------
+
+
+def test_loopback_by_default_prints_the_address_and_no_warning(capsys, made):
+    port = free_port()
+    code, out, err = run(capsys, "serve", "--port", str(port), "--engine", ENGINE)
+    assert (code, err) == (0, "")
+    assert f"open http://127.0.0.1:{port} in a browser (up to 4 tabs" in out
+    [server] = made
+    assert server.max_sessions == 4
+    assert server.addresses == [("127.0.0.1", port)]
+
+
+def test_any_other_address_warns_in_one_line(capsys, made):
+    port = free_port()
+    options = ["--host", "0.0.0.0", "--port", str(port), "--max-sessions", "2"]
+    code, out, err = run(capsys, "serve", *options, "--engine", ENGINE)
+    assert code == 0
+    assert err.count("\n") == 1
+    assert "warning: listening on 0.0.0.0: anyone who can reach it can open a session" in err
+    assert f"open http://localhost:{port} in a browser (up to 2 tabs" in out
+
+
+def test_each_tab_runs_the_app_with_the_options_given(made, capsys):
+    prompt = 'It\'s a "truth"; $(rm -rf ~) `x`'
+    options = ["--engine", ENGINE, "--tokens", "64", "--prompt", prompt, "--greedy"]
+    options += ["--screen", "2"]
+    code, _, _ = run(capsys, "serve", "--port", str(free_port()), "--max-sessions", "1", *options)
+    assert code == 0
+    argv = shlex.split(made[0].command)
+    assert argv == [sys.executable, "-m", "kvtui", *options]  # kvtui's order, no defaults
+    served = build_parser().parse_args(argv[3:])
+    given = build_parser().parse_args(["serve", *options])
+    for name, value in vars(served).items():
+        if name != "command":
+            assert getattr(given, name) == value, name
+
+
+def test_every_app_option_is_an_option_of_serve():
+    app = build_parser().parse_args([])
+    served = build_parser().parse_args(["serve"])
+    assert set(vars(app)) - {"command"} <= set(vars(served))
+
+
+def test_the_serving_process_imports_neither_torch_nor_textual():
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from kvtui import serve
+        from kvtui.cli import main
+
+        class Ready:
+            def __init__(self, *args): pass
+            async def run(self, on_ready): on_ready()
+
+        serve.make_server = Ready
+        code = main(["serve", "--port", "{free_port()}"])  # the default engine, tiny (torch)
+        print(json.dumps([code, sorted({{m.split(".")[0] for m in sys.modules}} &
+                                       {{"torch", "textual"}})]))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [0, []]
+
+
+# --- the web app, in process ----------------------------------------------------------------------
+
+
+async def test_beyond_the_limit_a_tab_gets_the_busy_page():
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 0)  # no session free, ever
+    async with TestClient(TestServer(await server._make_app())) as client:
+        page = await client.get("/")
+        assert page.status == 503
+        assert "all sessions in use" in await page.text()
+
+        # A page that loaded while a session was free is sent back to the busy page.
+        websocket = await client.ws_connect("/ws")
+        message = await websocket.receive_json(timeout=5)
+        assert message == ["open_url", {"url": "/", "new_tab": False}]
+        await websocket.close()
+
+
+async def test_a_websocket_from_another_site_is_refused():
+    pytest.importorskip("textual_serve")
+    from aiohttp import WSServerHandshakeError
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 1)
+    async with TestClient(TestServer(await server._make_app())) as client:
+        with pytest.raises(WSServerHandshakeError) as refused:
+            await client.ws_connect("/ws", headers={"Origin": "http://example.com"})
+        assert refused.value.status == 403
+        assert server.sessions == set()
+
+
+async def test_on_the_loopback_a_request_must_name_the_loopback():
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 0)  # no sockets: as if on the loopback
+    async with TestClient(TestServer(await server._make_app())) as client:
+        assert (await client.get("/")).status == 503  # the busy page: the request got in
+        rebound = await client.get("/", headers={"Host": "attacker.example:8000"})
+        assert rebound.status == 421
+        websocket = await client.get("/ws", headers={"Host": "attacker.example:8000"})
+        assert websocket.status == 421
+
+
+def test_names_this_machine():
+    for host in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000", "127.0.0.2", "LOCALHOST"):
+        assert serve.names_this_machine(host), host
+    for host in ("attacker.example:8000", "10.0.0.1:8000", "localhost.attacker.example", ""):
+        assert not serve.names_this_machine(host), host
+
+
+def test_same_origin():
+    assert serve.same_origin(None, "127.0.0.1:8000")
+    assert serve.same_origin("http://127.0.0.1:8000", "127.0.0.1:8000")
+    assert serve.same_origin("http://LOCALHOST:8000", "localhost:8000")
+    assert not serve.same_origin("http://127.0.0.1:9000", "127.0.0.1:8000")
+    assert not serve.same_origin("https://example.com", "127.0.0.1:8000")
+
+
+# --- ending a session's processes -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+async def test_a_process_tree_is_ended_even_when_it_ignores_its_stdin():
+    # An "app" that started an "engine" in a session of its own, as kvtui's app does.
+    app = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; "
+            "subprocess.Popen(['sleep', '60'], start_new_session=True); "
+            "print('ready', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert app.stdout.readline() == "ready\n"
+        tree = serve.descendants(app.pid)
+        assert len(tree) == 1
+        tree.append(serve.ProcessId(app.pid, serve._stat(app.pid)[2]))
+        assert all(map(serve.is_running, tree))
+        started = time.monotonic()
+        await serve.end_processes(tree, grace=0.2)
+        assert not any(map(serve.is_running, tree))
+        assert time.monotonic() - started < 5
+    finally:
+        app.kill()
+        app.wait(5)
