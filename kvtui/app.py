@@ -1,19 +1,22 @@
 """The kvtui App: three lesson screens as modes, app-wide keys, and the engine's reader worker.
 
-The decode engine runs in a process of its own (`kvtui.engine.process.EngineProcess`), so the UI
-process never imports torch and a busy UI cannot slow the steps it measures. A thread worker reads
-the engine's events and posts them back in batches, at most ~20 times a second; the app folds them
-into one `LiveRun` that every screen was given, and each screen redraws from it on its own
-throttled timer.
+The decode engine runs in a process of its own (`kvtui.engine.process.EngineProcess`, isolated
+from the caller's directory), so the UI process never imports torch and a busy UI cannot slow
+the steps it measures. A thread worker reads the engine's events and posts them back in batches,
+at most ~20 times a second; the app folds them into one `LiveRun` that every screen was given,
+and each screen redraws from it on its own throttled timer.
 
-State that two screens share has one owner, the App: the answer length (`length`) and whether the
-cache is on (`cache_on`) are App reactives that screens 1 and 2 follow with `data_bind`; their
-keys call the App's actions that change them.
+State that two screens share has one owner, the App: the answer length (`length`), whether the
+cache is on (`cache_on`) and the catalog GPU the probe matched (`device_gpu`) are App reactives
+that the screens follow with `data_bind`; their keys call the App's actions that change them.
+Anything an engine or a file says is shown as text, never as markup.
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +33,7 @@ from textual.reactive import reactive
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
+from kvtui.format import safe_text
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import LiveRun
@@ -147,6 +151,7 @@ class KVApp(App[int]):
         Binding("space", "pause", "Pause"),
         Binding("r", "restart", "Run"),
         Binding("l", "lesson", "Lesson", show=False),
+        Binding("t", "quiz", "Explain it back", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit", priority=True),
     ]
@@ -200,6 +205,11 @@ class KVApp(App[int]):
 
     def action_screen(self, number: int) -> None:
         self.switch_mode(MODES[number - 1])
+
+    def action_quiz(self) -> None:
+        from kvtui.screens.quiz import QuizScreen
+
+        self.push_screen(QuizScreen())
 
     def action_help(self) -> None:
         from kvtui.screens.help import HelpScreen
@@ -266,7 +276,7 @@ class KVApp(App[int]):
 
     def restart_with(self, engine: str) -> None:
         self.start_run(replace(self.live.settings, engine=engine))
-        self.notify(f"Restarted with engine {engine}", timeout=3)
+        self.notify(f"Restarted with engine {safe_text(engine)}", timeout=3, markup=False)
 
     def action_restart(self) -> None:
         """Run again, exactly the chosen length."""
@@ -376,15 +386,17 @@ class KVApp(App[int]):
                     else ""
                 )
                 self.notify(
-                    f"The {event.loop} loop stopped: {event.message}." + fix,
+                    f"The {event.loop} loop stopped: {safe_text(event.message)}." + fix,
                     title="Engine stopped",
+                    markup=False,
                     severity="error" if event.reason == "error" else "warning",
                     timeout=8,
                 )
             if isinstance(event, RunFailed):
                 self.notify(
-                    f"The engine stopped: {event.message}. Press r to restart.",
+                    f"The engine stopped: {safe_text(event.message)}. Press r to restart.",
                     title="Engine failed",
+                    markup=False,
                     severity="error",
                     timeout=8,
                 )
@@ -410,8 +422,9 @@ class KVApp(App[int]):
         words = f"{type(error).__name__}: {error}" if error else "unknown error"
         self.live.apply(RunFailed(words))
         self.notify(
-            f"The engine could not run: {words}. Press r to retry.",
+            f"The engine could not run: {safe_text(words)}. Press r to retry.",
             title="Engine failed",
+            markup=False,
             severity="error",
             timeout=8,
         )
@@ -436,10 +449,22 @@ def make_app(
 
 
 def run_app(settings: RunSettings, screen: int = 1) -> int:
-    """Open the app on a screen, run it, and return its exit code."""
+    """Open the app on a screen, run it, and return its exit code. SIGTERM and SIGHUP end it
+    as `q` does: the terminal is restored and the engine's process closed."""
     app = make_app(settings, screen)
+
+    def leave(signum: int, frame: object) -> None:
+        try:
+            loop = asyncio.get_running_loop()  # the handler runs on the app's own thread
+        except RuntimeError:
+            raise SystemExit(128 + signum) from None
+        loop.call_soon_threadsafe(app.exit, 128 + signum)
+
+    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         result = app.run()
     finally:
         app.close_engine()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return int(result or 0)

@@ -336,9 +336,20 @@ def cmd_app(args: argparse.Namespace) -> int:
         check_engine(settings)
     except EngineError as exc:
         raise UsageError(f"kvtui: {exc}") from None
+    if not has_terminal():
+        raise UsageError(
+            "kvtui: the app needs a terminal; for output to a file or a pipe use "
+            "kvtui bench, work, budget, models or gpus (--json)"
+        )
     from kvtui.app import run_app
 
     return int(run_app(settings, screen=args.screen) or 0)
+
+
+def has_terminal() -> bool:
+    """Whether the app has a terminal to draw on: stdin and stdout are one, or `kvtui serve`'s
+    web driver (textual-serve sets TEXTUAL_DRIVER) stands in for it."""
+    return "TEXTUAL_DRIVER" in os.environ or (sys.stdin.isatty() and sys.stdout.isatty())
 
 
 DEFAULT_APP_TOKENS = 256

@@ -507,3 +507,11 @@ def test_a_closed_stdout_is_not_a_traceback():
         f"{sys.executable} -m kvtui gpus >&-", shell=True, stderr=subprocess.PIPE, text=True
     )
     assert done.returncode in (0, 2) and "Traceback" not in done.stderr
+
+
+def test_the_app_without_a_terminal_says_so_in_one_line(capsys):
+    """`kvtui </dev/null >out`: one line and exit 2, never escape codes written forever."""
+    code = main(["--engine", "sim:llama-3.1-8b@h100"])  # pytest's stdin is not a terminal
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "needs a terminal" in err

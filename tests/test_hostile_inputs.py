@@ -322,6 +322,12 @@ def test_too_many_tokens_for_the_tiny_model_is_refused_before_it_loads(capsys, m
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
+    from kvtui.decoder import ModelArgs
+    from kvtui.engine import spec
+
+    # The torch-free check reads the file the engine loads, with the engine's default.
+    assert spec.TINY_WEIGHTS == kvtui.engine.torch_engine.TINY_WEIGHTS
+    assert ModelArgs().max_positions == spec.TINY_POSITIONS
     monkeypatch.setattr(kvtui.engine.torch_engine, "open_torch_engine", load)
     err = refused(capsys, "bench", "--tokens", "5000")
     assert "5,044 positions, past tiny-austen's 4,096; ask for at most 4,052 tokens" in err
@@ -546,3 +552,46 @@ def test_fuzz_command_line_numbers(capsys, option_value):
 @given(data=safetensors_files())
 def test_fuzz_safetensors_headers(tmp_path, capsys, data):
     assert try_weights(tmp_path, data, capsys.readouterr) in ("exit 0", "exit 2")
+
+
+# --- the readers themselves ----------------------------------------------------------------------
+
+
+def test_safe_text_escapes_what_a_terminal_would_obey():
+    from kvtui.format import safe_text
+
+    assert (
+        safe_text("a\x1b]0;t\x07b\x9b1m\x7f\udcff\tc\nd")
+        == "a\\x1b]0;t\\x07b\\x9b1m\\x7f\\udcff\tc\nd"
+    )
+    assert safe_text("tab\there\nnext", one_line=True) == "tab\\x09here\\x0anext"
+    assert safe_text("Café — 日本") == "Café — 日本"
+
+
+def test_argv_text_turns_undecodable_bytes_into_replacement_characters():
+    from kvtui.inputs import argv_text
+
+    assert argv_text(os.fsdecode(b"caf\xc3\xa9 \xff")) == "café \ufffd"
+    assert argv_text("lone \ud800 surrogate") == "lone \ufffd surrogate"
+
+
+def _safetensors() -> bytes:
+    raw = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    return len(raw).to_bytes(8, "little") + raw + bytes(8)
+
+
+def test_a_hub_cache_snapshot_may_link_into_its_own_blobs_only(tmp_path):
+    from kvtui.inputs import InputError, model_weights
+
+    repo = tmp_path / "models--org--name"
+    snapshot = repo / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "9f8e").write_bytes(_safetensors())
+    (snapshot / "model.safetensors").symlink_to("../../blobs/9f8e")  # as huggingface_hub links
+    assert model_weights(snapshot) == [snapshot.resolve() / "model.safetensors"]
+    (tmp_path / "other.safetensors").write_bytes(_safetensors())
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(tmp_path / "other.safetensors")
+    with pytest.raises(InputError, match="outside the model folder"):
+        model_weights(snapshot)

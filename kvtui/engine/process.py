@@ -8,11 +8,13 @@ one JSON line on its stdout. A CUDA failure stays in the child.
 (`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
 fds_to_keep"; a plain `subprocess.Popen` with pipes does not.)
 
-The child runs no code but Python's and kvtui's: it starts isolated (`python -I`: neither the
-current directory nor PYTHONPATH on `sys.path`, no PYTHON* variables, no user site), in `/`, and
-imports kvtui from the very folder this module came from (`child_command`). A `json.py` or
-`torch.py` in the directory the app was started from is never imported; relative `replay:` and
-`hf:` paths are made absolute before the settings are sent.
+The child runs no code from where the app was started: it starts isolated (`python -I`: neither
+the current directory nor PYTHONPATH on `sys.path`, no PYTHON* variables), in `/`, and imports
+kvtui from the very folder this module came from (`child_command`). A `json.py` or `torch.py` in
+the directory the app was started from is never imported; relative `replay:` and `hf:` paths are
+made absolute before the settings are sent. The user's own site-packages (`pip install --user`),
+which `-I` also drops, is added back when this process uses it: it is where torch may be, and
+it does not depend on the directory.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ from kvtui.engine.protocol import (
     to_json,
 )
 from kvtui.engine.spec import parse_engine
+from kvtui.format import safe_text
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 """The kvtui package this module belongs to: the child imports this one, whatever is installed."""
 
 _BOOTSTRAP = """\
-import importlib.util, sys
+import importlib.util, site, sys
+for folder in {user_sites!r}:
+    site.addsitedir(folder)
 spec = importlib.util.spec_from_file_location(
     "kvtui", {init!r}, submodule_search_locations=[{package!r}]
 )
@@ -57,8 +62,20 @@ raise SystemExit(child_main())
 def child_command() -> list[str]:
     """The engine's command line: isolated mode (`-I`), unbuffered (`-u`), and a bootstrap that
     imports kvtui from `_PACKAGE` by its path, not by searching `sys.path`."""
-    code = _BOOTSTRAP.format(init=str(_PACKAGE / "__init__.py"), package=str(_PACKAGE))
+    code = _BOOTSTRAP.format(
+        init=str(_PACKAGE / "__init__.py"), package=str(_PACKAGE), user_sites=_user_sites()
+    )
     return [sys.executable, "-I", "-u", "-c", code]
+
+
+def _user_sites() -> list[str]:
+    """The user's site-packages, if this process has it on its path (never outside a venv's)."""
+    import site
+
+    if not site.ENABLE_USER_SITE:
+        return []
+    user = site.getusersitepackages()
+    return [user] if isinstance(user, str) and user in sys.path else []
 
 
 CHILD_CWD = os.path.abspath(os.sep)
@@ -146,7 +163,8 @@ class EngineProcess:
                 event = event_from_json(data)
             except ValueError as exc:  # ours, but not what this UI reads: the run is lost
                 self.stop()
-                yield RunFailed(f"the engine sent an event this kvtui cannot read: {exc}")
+                why = safe_text(str(exc), one_line=True)
+                yield RunFailed(f"the engine sent an event this kvtui cannot read: {why}")
                 return
             finished = finished or isinstance(event, RunFailed)
             yield event
@@ -159,7 +177,7 @@ class EngineProcess:
         lines = [line.strip() for line in self._stderr.read().splitlines() if line.strip()]
         why = lines[-1] if lines else ""
         how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-        return f"decode engine {how}" + (f": {why}" if why else "")
+        return f"decode engine {how}" + (f": {safe_text(why, one_line=True)}" if why else "")
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop the child and reap it: a polite stop, then terminate, then kill."""
@@ -216,7 +234,7 @@ def child_main() -> int:
     try:
         settings = RunSettings.from_json(json.loads(sys.stdin.readline()))
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
-        emit(RunFailed(f"bad run settings: {exc}"))
+        emit(RunFailed(safe_text(f"bad run settings: {exc}", one_line=True)))
         return 2
     control = RunControl()
     threading.Thread(target=_read_commands, args=(control,), daemon=True).start()
@@ -226,7 +244,7 @@ def child_main() -> int:
         for event in run_events(engine, settings, control):
             emit(event)
     except EngineError as exc:
-        emit(RunFailed(str(exc)))
+        emit(RunFailed(safe_text(str(exc), one_line=True)))  # may quote a file
         return 2
     except BrokenPipeError:
         return 0
@@ -234,7 +252,8 @@ def child_main() -> int:
         import traceback
 
         traceback.print_exc()
-        emit(RunFailed(f"decode engine failed: {type(exc).__name__}: {exc}"))
+        why = safe_text(f"{type(exc).__name__}: {exc}", one_line=True)
+        emit(RunFailed(f"decode engine failed: {why}"))
         return 1
     finally:
         if engine is not None:

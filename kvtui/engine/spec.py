@@ -119,14 +119,14 @@ _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 
 def cuda_visible() -> bool:
     """Whether this machine shows a CUDA (or ROCm) device, without importing torch: a device
-    node of the NVIDIA driver (`/dev/nvidia0`), WSL's GPU (`/dev/dxg`) or ROCm's (`/dev/kfd`),
-    not hidden by CUDA_VISIBLE_DEVICES. torch may still see none; the engine then says so."""
+    node of the NVIDIA driver (`/dev/nvidia0`; Jetson's `/dev/nvhost-*`), WSL's GPU (`/dev/dxg`)
+    or ROCm's (`/dev/kfd`), not hidden by CUDA_VISIBLE_DEVICES. torch may still see none; the
+    engine then says so."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return False
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or any(
-        os.path.exists(node) for node in ("/dev/dxg", "/dev/kfd")
-    )
+    nodes = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/nvhost-*")
+    return bool(nodes) or any(os.path.exists(node) for node in ("/dev/dxg", "/dev/kfd"))
 
 
 def prompt_positions(settings: RunSettings) -> int:

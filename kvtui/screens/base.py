@@ -163,6 +163,8 @@ class WorkScreen(LessonScreen):
             words.append(f"{format_count(live.prompt_tokens, 'prompt token')} (l: lesson mode)")
         if self.pending():
             words.append(f"r runs {self.length:,} tokens (this run: {live.run_tokens:,})")
+        if (past := live.past_training()) is not None:
+            words.append(f"from token {past:,} past the context the model was trained on")
         return " · ".join(words)
 
     def show_run_note(self) -> None:
@@ -171,4 +173,4 @@ class WorkScreen(LessonScreen):
             return
         note = self.query_one("#run-note", Static)
         note.update(self.run_note())
-        note.set_class(self.pending(), "-beyond")
+        note.set_class(self.pending() or self.live.past_training() is not None, "-beyond")

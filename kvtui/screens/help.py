@@ -11,21 +11,20 @@ from textual.widgets import Static
 
 HELP = """\
 [b]kvtui[/b]: why LLM decoding needs a KV cache, measured while you watch.
-
+Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/b] (dotted).
 [b]1[/b] Without a cache, every step recomputes all tokens' keys and values.
 [b]2[/b] With the cache each step computes one new position and reads the rest.
 [b]3[/b] The cache grows with each token and sequence until GPU memory runs out.
-
 [b]Device[/b] {device}
-
-[b]Keys[/b]
   1 2 3        switch screen
   space        pause / resume the engine
-  r            restart the run (long enough for the chosen length)
-  c            cache on / off (screen 2)
   ← → - +      answer length (1, 2); context (3: - + halve, double)
+  r            run again, exactly the chosen length
+  l            lesson mode: a 1-token prompt, the lesson's exact counts
+  c            cache on / off (2)
+  v            work per step or running totals (2, short terminals)
   m g k b      model, GPU, KV dtype, batch (3)
-  t            quiz (3)
+  t            explain it back: the lesson's questions
   ctrl+p       command palette: engine, model and GPU
   ?            this help (escape closes it)
   q            quit"""

@@ -159,6 +159,15 @@ class LiveRun:
     def prompt_tokens(self) -> int:
         return self.started.prompt_tokens if self.started else 0
 
+    def past_training(self) -> int | None:
+        """The first answer token at a position past the context the model was trained on, if
+        this run goes that far (allowed where the architecture allows it; text may degrade)."""
+        started = self.started
+        if started is None or started.trained_positions is None:
+            return None
+        first = started.trained_positions - started.prompt_tokens + 1
+        return first if first <= started.tokens else None
+
     @property
     def run_tokens(self) -> int:
         """The length of the run: what was asked, or what a replay recorded."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
@@ -20,6 +21,7 @@ from kvtui.format import (
     format_int,
     format_percent,
     format_tick,
+    safe_text,
 )
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LiveRun
@@ -101,7 +103,6 @@ class MemoryScreen(LessonScreen):
         Binding("g", "next_gpu", "GPU", show=False),
         Binding("k", "next_kv_dtype", "KV dtype", show=False),
         Binding("b", "next_batch", "Batch", show=False),
-        Binding("t", "quiz", "Quiz"),
     ]
 
     model: reactive[str] = reactive(LESSON_BUDGET.model, init=False)
@@ -182,11 +183,6 @@ class MemoryScreen(LessonScreen):
     def action_next_batch(self) -> None:
         self.batch = self._next(list(BATCHES), self.batch)
 
-    def action_quiz(self) -> None:
-        from kvtui.screens.quiz import QuizScreen
-
-        self.app.push_screen(QuizScreen())
-
     def budget(self) -> Budget:
         return budget(
             get_model(self.model),
@@ -235,7 +231,7 @@ class MemoryScreen(LessonScreen):
             f"[b]{b.model_label}[/b] ({b.weights_dtype}) on [b]{b.gpu}[/b]\n"
             f"context {format_int(b.context_tokens)} tokens (←→ -+)\n"
             f"batch {b.batch} (b) · KV {b.kv_dtype} (k)\n"
-            "m model · g GPU · t quiz"
+            "m model · g GPU · t explain it back"
         )
         advice = self.query_one("#advice", Static)
         more = self.query_one("#advice-more", Static)
@@ -271,7 +267,7 @@ class MemoryScreen(LessonScreen):
         where = started.device.split(" (")[0]
         if started.threads > 0 and not where.startswith("sim"):
             where += f", {format_count(started.threads, 'thread')}"
-        lines = [f"[b]Live:[/b] {started.model} on {where}"]
+        lines = [f"[b]Live:[/b] {escape(safe_text(started.model))} on {escape(safe_text(where))}"]
         measured = self.live.kv_bytes_measured()
         if measured:
             held, formula = measured

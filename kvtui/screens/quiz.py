@@ -1,66 +1,201 @@
-"""The lesson's closing question, with feedback on each answer."""
+"""Explain it back: a question for each of the lesson's three ideas, then its closing one.
+
+The screen is opaque, so no answer's wording shows behind it, and each answer gets feedback that
+explains, in the lesson's terms, why it is right or not.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
-from textual.screen import ModalScreen
-from textual.widgets import OptionList, Static
+from textual.screen import Screen
+from textual.widgets import Footer, OptionList, Static
 from textual.widgets.option_list import Option
 
-QUESTION = (
-    "A model has plenty of compute left, but a long chat suddenly refuses to continue. "
-    "Why, and what actually ran out?"
+
+@dataclass(frozen=True)
+class Question:
+    node: str
+    """Which idea of the lesson it checks."""
+    text: str
+    answers: tuple[tuple[str, bool, str], ...]
+    """(answer, right, feedback) for each choice."""
+
+
+QUESTIONS: tuple[Question, ...] = (
+    Question(
+        "1 · Without a cache",
+        "Without a cache, the step that emits token 24 after a one-token prompt computes how many "
+        "positions, and why?",
+        (
+            (
+                "1: only the new token.",
+                False,
+                "That is the cached step. Without a cache nothing of the past is kept, so the "
+                "step must rebuild every earlier token's keys and values too.",
+            ),
+            (
+                "24: every position so far, again.",
+                True,
+                "Right. Each step feeds the whole sequence back in: 1 + 2 + ... + 24 = 300 "
+                "positions for 24 tokens, 276 of them recomputed. The total grows with the "
+                "square of the length.",
+            ),
+            (
+                "576: every position against every other.",
+                False,
+                "That counts attention scores, not positions computed. A position is one "
+                "token's pass through the model: 24 of them at step 24.",
+            ),
+        ),
+    ),
+    Question(
+        "2 · With the cache",
+        "Why can the cache keep the keys and values of past tokens, but not their queries?",
+        (
+            (
+                "Keys and values never change once computed; a query is only needed once.",
+                True,
+                "Right. With causal masking a token's keys and values depend only on the tokens "
+                "before it, so they stay valid forever; the query of the new token is used at "
+                "its own step and then never again.",
+            ),
+            (
+                "Queries are too large to store.",
+                False,
+                "A query is the same size as a key. It is not kept because no later step needs "
+                "it: only the new token asks a question.",
+            ),
+            (
+                "The cache approximates them to save time.",
+                False,
+                "Nothing is approximated: the cached and uncached loops emit identical tokens "
+                "(screen 2 checks it step by step).",
+            ),
+        ),
+    ),
+    Question(
+        "3 · The cache eats memory",
+        "What sets the size of the KV cache for one sequence?",
+        (
+            (
+                "Tokens x 2 x layers x KV heads x head dim x bytes per element.",
+                True,
+                "Right. Keys and values (the 2), for every layer and KV head, for every token "
+                "held: it grows by the same amount with each token, and again with each "
+                "sequence in the batch.",
+            ),
+            (
+                "The number of parameters.",
+                False,
+                "That is the weights' size, fixed from token 1. The cache grows with the tokens "
+                "held, beside the weights.",
+            ),
+            (
+                "The answer length alone.",
+                False,
+                "The prompt's tokens are cached too: every position held counts, prompt and "
+                "answer alike.",
+            ),
+        ),
+    ),
+    Question(
+        "The closing question",
+        "A model has plenty of compute left, but a long chat suddenly refuses to continue. Why, "
+        "and what actually ran out?",
+        (
+            (
+                "Compute: attention over a long chat needs more FLOPs than the GPU has.",
+                False,
+                "Not quite: a decode step does about 2 FLOPs per parameter plus a little "
+                "attention, far below the GPU's peak. Compute was left over; something else "
+                "filled up.",
+            ),
+            (
+                "GPU memory: the KV cache grew with every token and ran out of room.",
+                True,
+                "Right. Every token keeps its keys and values in every layer; past the memory "
+                "left after the weights, the next token has nowhere to go. Shorter context, "
+                "smaller batch, a smaller KV dtype or a bigger GPU are the ways out.",
+            ),
+            (
+                "The weights got bigger as the chat went on.",
+                False,
+                "No: the weights are the same size at token 1 and token 100,000. What grows is "
+                "the cache of keys and values, one entry per token per layer.",
+            ),
+            (
+                "The model forgot the start of the chat, so it stopped.",
+                False,
+                "Forgetting is a different limit (the model's trained context). The refusal "
+                "here is physical: the KV cache no longer fits in memory.",
+            ),
+        ),
+    ),
 )
 
-ANSWERS: tuple[tuple[str, bool, str], ...] = (
-    (
-        "Compute: attention over a long chat needs more FLOPs than the GPU has.",
-        False,
-        "Not quite: a decode step does about 2 FLOPs per parameter plus a little attention, far "
-        "below the GPU's peak. Compute was left over; something else filled up.",
-    ),
-    (
-        "GPU memory: the KV cache grew with every token and ran out of room.",
-        True,
-        "Right. Every token keeps its keys and values in every layer; past the memory left "
-        "after the weights, the next token has nowhere to go. Shorter context, smaller batch, "
-        "a smaller KV dtype or a bigger GPU are the ways out.",
-    ),
-    (
-        "The weights got bigger as the chat went on.",
-        False,
-        "No: the weights are the same size at token 1 and token 100,000. What grows is the "
-        "cache of keys and values, one entry per token per layer.",
-    ),
-    (
-        "The model forgot the start of the chat, so it stopped.",
-        False,
-        "Forgetting is a different limit (the model's trained context). The refusal here is "
-        "physical: the KV cache no longer fits in GPU memory.",
-    ),
-)
 
+class QuizScreen(Screen[int]):
+    """The questions one at a time; `n` moves on; escape closes and returns how many were right.
 
-class QuizScreen(ModalScreen[bool]):
-    """A modal with the question, four answers and feedback; escape closes it."""
+    An opaque screen of its own: nothing of the lesson's screens, answers included, shows
+    behind it."""
 
-    BINDINGS = [Binding("escape,t", "dismiss_quiz", "Close")]
+    BINDINGS = [
+        Binding("escape", "close", "Close"),
+        Binding("n", "next", "Next question"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = 0
+        self.right: set[int] = set()
 
     def compose(self) -> ComposeResult:
         with Vertical(id="quiz"):
-            yield Static("Quiz", classes="quiz-title")
-            yield Static(QUESTION, classes="quiz-question")
-            yield OptionList(*(Option(text, id=str(i)) for i, (text, _, _) in enumerate(ANSWERS)))
-            yield Static("Pick an answer (↑/↓, enter). Escape closes.", id="feedback")
+            yield Static("", classes="quiz-title")
+            yield Static("", classes="quiz-question")
+            yield OptionList()
+            yield Static("", id="feedback")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.show_question()
+
+    def show_question(self) -> None:
+        question = QUESTIONS[self.index]
+        self.query_one(".quiz-title", Static).update(
+            f"Explain it back · {self.index + 1} of {len(QUESTIONS)} · {question.node}"
+        )
+        self.query_one(".quiz-question", Static).update(question.text)
+        options = self.query_one(OptionList)
+        options.clear_options()
+        options.add_options(
+            Option(text, id=str(i)) for i, (text, _, _) in enumerate(question.answers)
+        )
+        options.highlighted = 0
+        options.focus()
+        feedback = self.query_one("#feedback", Static)
+        feedback.remove_class("-right", "-wrong")
+        feedback.update("Pick an answer (↑/↓, enter). n: next question. Escape closes.")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        _, right, words = ANSWERS[int(event.option.id or 0)]
+        _, right, words = QUESTIONS[self.index].answers[int(event.option.id or 0)]
+        if right:
+            self.right.add(self.index)
         feedback = self.query_one("#feedback", Static)
         feedback.set_class(right, "-right")
         feedback.set_class(not right, "-wrong")
-        feedback.update(("✓ " if right else "✗ ") + words)
+        more = " n: next question." if self.index + 1 < len(QUESTIONS) else " Escape closes."
+        feedback.update(("✓ " if right else "✗ ") + words + more)
 
-    def action_dismiss_quiz(self) -> None:
-        self.dismiss(self.query_one("#feedback").has_class("-right"))
+    def action_next(self) -> None:
+        if self.index + 1 < len(QUESTIONS):
+            self.index += 1
+            self.show_question()
+
+    def action_close(self) -> None:
+        self.dismiss(len(self.right))

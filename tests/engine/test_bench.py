@@ -130,7 +130,9 @@ def test_the_app_refuses_a_bad_engine_before_it_opens(capsys, monkeypatch, engin
 
 def test_the_app_opens_on_a_good_engine(monkeypatch):
     import kvtui.app
+    import kvtui.cli
 
+    monkeypatch.setattr(kvtui.cli, "has_terminal", lambda: True)
     opened = []
     monkeypatch.setattr(
         kvtui.app, "run_app", lambda settings, **k: opened.append((settings, k)) or 0

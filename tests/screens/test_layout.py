@@ -80,7 +80,7 @@ async def test_80x24_help_fits_without_scrolling():
 async def test_80x24_quiz_shows_the_feedback_whole():
     app = build(3)
     async with app.run_test(size=SMALL) as pilot:
-        await pilot.press("t", "down", "enter")
+        await pilot.press("t", "n", "n", "n", "down", "enter")  # the closing question
         await pilot.pause()
         text = " ".join(screen_text(app).replace("│", " ").split())
         assert "bigger GPU are the ways out." in text

@@ -214,13 +214,23 @@ async def test_screen3_pickers_change_the_budget():
         assert app.screen.gpu == "gh200"
 
 
-async def test_quiz_gives_feedback():
+async def test_explain_it_back_asks_each_node_then_the_closing_question():
     app = build(3)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press("t")
         assert isinstance(app.screen, QuizScreen)
-        await pilot.press("down", "enter")  # the second answer: memory
+        text = screen_text(app)
+        assert "1 of 4" in text and "token 24" in text
+        assert "memory, not compute" not in text and "KV CACHE" not in text  # opaque
+        await pilot.press("down", "enter")  # 24: every position so far
         feedback = app.screen.query_one("#feedback", Static)
+        assert feedback.has_class("-right") and "300" in str(feedback.render())
+        await pilot.press("n", "n", "n")
+        text = screen_text(app)
+        assert "4 of 4" in text and "plenty of compute left" in text
+        assert "ran out of room" in text  # the choice, but no feedback yet
+        assert not feedback.has_class("-right") and not feedback.has_class("-wrong")
+        await pilot.press("down", "enter")  # memory
         assert feedback.has_class("-right")
         await pilot.press("down", "enter")
         assert feedback.has_class("-wrong")
@@ -262,3 +272,14 @@ async def test_streams_show_the_run():
         stream = app.screen.query_one("#stream")
         assert "wisdom" in stream.text
         assert "done" in str(app.screen.query_one("RunHeader").render())
+
+
+async def test_a_run_past_the_trained_context_says_so_where_it_happens():
+    events = sim_events(SETTINGS)
+    trained = events[0].prompt_tokens + 20  # trained on 29 positions: tokens 21-32 go past
+    events = [replace(events[0], trained_positions=trained), *events[1:]]
+    app = build(1, 32, events=events)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        text = " ".join(screen_text(app).split())  # the note wraps beside the stream's border
+        assert "from token 21 past the" in text and "context the model was trained on" in text
