@@ -59,6 +59,8 @@ class _Series:
     positions: array = field(default_factory=lambda: array("q"))
     work: int = 0
     """Positions computed, summed."""
+    first_positions: int = 0
+    """Positions the first step computed: the prompt (the cached loop's prefill)."""
     text: list[str] = field(default_factory=list)
     text_chars: int = 0
     bandwidth: array = field(default_factory=lambda: array("d"))
@@ -72,6 +74,8 @@ class _Series:
         self.seconds.append(s.step_seconds)
         self.positions.append(s.position)
         self.work += s.positions_computed
+        if first:
+            self.first_positions = s.positions_computed
         if self.text_chars < MAX_TEXT_CHARS:
             piece = s.text[: MAX_TEXT_CHARS - self.text_chars]
             self.text.append(piece)
@@ -107,6 +111,10 @@ def loop_stats(steps: _Series) -> dict:
             "step_ms_p99": None,
             "total_s": 0.0,
             "ms_per_position": None,
+            "ttft_s": None,
+            "tpot_s": None,
+            "first_step_positions_per_s": None,
+            "later_step_positions_per_s": None,
         }
     ms = [seconds * 1e3 for seconds in steps.seconds]
     total = sum(steps.seconds)
@@ -120,6 +128,22 @@ def loop_stats(steps: _Series) -> dict:
         "step_ms_p99": sorted(ms)[min(len(ms) - 1, int(0.99 * len(ms)))],
         "total_s": total,
         "ms_per_position": _slope(steps.positions[1:].tolist(), ms[1:]),
+        **_first_and_later(steps),
+    }
+
+
+def _first_and_later(steps: _Series) -> dict:
+    """Time to first token (the first step: the prompt's pass, a prefill with a cache) and time
+    per output token after it (the mean of the later steps), and the positions each computes per
+    second: prefill reads the whole prompt in one pass, decode one position a step."""
+    first, later = steps.seconds[0], steps.seconds[1:]
+    later_work = steps.work - steps.first_positions
+    tpot = sum(later) / len(later) if later else None
+    return {
+        "ttft_s": first,
+        "tpot_s": tpot,
+        "first_step_positions_per_s": steps.first_positions / first if first > 0 else None,
+        "later_step_positions_per_s": later_work / sum(later) if later and sum(later) > 0 else None,
     }
 
 
@@ -379,9 +403,19 @@ def format_table(r: dict) -> str:
     def tps(v: float | None) -> str:
         return "-" if v is None else f"{v:,.1f}"
 
+    def seconds_ms(v: float | None) -> str:
+        return "-" if v is None else ms(v * 1e3)
+
+    def both(key: str, show) -> tuple[str, str, str]:
+        return show(r["cached"][key]), show(r["uncached"][key])
+
     rows = [
         ("", "cached", "uncached"),
         ("tokens/s", tps(r["cached"]["tokens_per_s"]), tps(r["uncached"]["tokens_per_s"])),
+        ("time to first token", *both("ttft_s", seconds_ms)),
+        ("time per later token", *both("tpot_s", seconds_ms)),
+        ("positions/s, first step", *both("first_step_positions_per_s", tps)),
+        ("positions/s, later steps", *both("later_step_positions_per_s", tps)),
         ("step p50", ms(r["cached"]["step_ms_p50"]), ms(r["uncached"]["step_ms_p50"])),
         (
             "step, first quartile",

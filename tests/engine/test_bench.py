@@ -285,3 +285,28 @@ def test_a_prompt_with_bytes_that_are_not_utf8(tmp_path, capsys):
     capsys.readouterr()
     header, _ = read_record(path)
     assert header["settings"]["prompt"] == "café \ufffd"
+
+
+def test_bench_times_the_first_token_apart_from_the_later_ones(capsys):
+    """Prefill is not decode: time to first token and time per later token, per loop."""
+    code = main(
+        [
+            "bench",
+            "--engine",
+            "sim:llama-3.1-8b@h100",
+            "--tokens",
+            "16",
+            "--json",
+            "--replay-speed",
+            "0",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0
+    for loop in ("cached", "uncached"):
+        assert out[loop]["ttft_s"] > 0 and out[loop]["tpot_s"] > 0
+    cached = out["cached"]
+    # the prefill computes the whole prompt in its one step; each later step one position
+    prefill_rate = out["prompt_tokens"] / cached["ttft_s"]
+    assert cached["first_step_positions_per_s"] == pytest.approx(prefill_rate)
+    assert cached["later_step_positions_per_s"] == pytest.approx(1 / cached["tpot_s"])
