@@ -213,31 +213,49 @@ def cmd_work(args: argparse.Namespace) -> int:
 
 
 def cmd_budget(args: argparse.Namespace) -> int:
-    """`kvtui budget`: weights + KV cache + runtime reserve against one GPU."""
+    """`kvtui budget`: weights + KV cache + runtime reserve against one GPU (each of `--tp` GPUs
+    the model is split over), and the KV cache a vLLM-style server would size on it."""
+    from kvtui.sim.memory import kv_capacity, kv_head_copies, tensor_parallel_problem
+
     spec = model_from_hf_config(args.config) if args.config else get_model(args.model)
     gpu = get_gpu(args.gpu)
-    b = budget(spec, gpu, args.context, args.batch, args.kv_dtype, args.weights_dtype)
+    problem = tensor_parallel_problem(spec, args.tp)
+    if problem is not None:
+        raise UsageError(f"kvtui budget: error: argument --tp: {problem}")
+    b = budget(spec, gpu, args.context, args.batch, args.kv_dtype, args.weights_dtype, tp=args.tp)
+    c = kv_capacity(
+        spec,
+        gpu,
+        args.context,
+        tp=args.tp,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        kv_dtype=args.kv_dtype,
+        weights_dtype=args.weights_dtype,
+    )
     if args.json:
-        _print_json(b.to_json())
+        served = {key: value for key, value in c.to_json().items() if key not in b.to_json()}
+        _print_json({**b.to_json(), **served})
         return 0
     label = safe_text(b.model_label, one_line=True)  # a config's folder name
+    where = f"the {b.gpu_label}" if b.tp == 1 else f"{b.tp}x the {b.gpu_label} (tensor parallel)"
     print(
-        f"{label} on the {b.gpu_label}: batch {b.batch} x {format_int(b.context_tokens)} "
+        f"{label} on {where}: batch {b.batch} x {format_int(b.context_tokens)} "
         f"tokens, KV cache in {b.kv_dtype}, weights in {b.weights_dtype}"
     )
-    per_token = f"{format_int(b.kv_bytes_per_token)} bytes/token"
+    per_token = f"{format_int(b.kv_bytes_per_token_per_gpu)} bytes/token"
     print(
         _table(
-            ["", "bytes", "of VRAM"],
+            ["" if b.tp == 1 else "each GPU", "bytes", "of VRAM"],
             [
                 [
                     f"weights ({b.weights_dtype})",
-                    format_bytes(b.weights_bytes),
-                    format_percent(b.weights_bytes / b.vram_bytes),
+                    format_bytes(b.weights_bytes_per_gpu),
+                    format_percent(b.weights_bytes_per_gpu / b.vram_bytes),
                 ],
                 [
                     f"KV cache ({per_token})",
-                    format_bytes(b.kv_bytes),
+                    format_bytes(b.kv_bytes_per_gpu),
                     format_percent(b.kv_fraction_of_vram),
                 ],
                 [
@@ -253,8 +271,9 @@ def cmd_budget(args: argparse.Namespace) -> int:
     )
     verdict = "fits" if b.fits else "does NOT fit (overflow)"
     vram = format_bytes(b.vram_bytes)
+    on = f"{_article(vram)} {vram} GPU" if b.tp == 1 else f"each {vram} GPU"
     print(
-        f"{format_bytes(b.kv_bytes)} of KV on {_article(vram)} {vram} GPU is "
+        f"{format_bytes(b.kv_bytes_per_gpu)} of KV on {on} is "
         f"{format_percent(b.kv_fraction_of_vram)}; the whole budget {verdict}."
     )
     if b.max_context_tokens is None:
@@ -263,6 +282,41 @@ def cmd_budget(args: argparse.Namespace) -> int:
         print("Longest context that fits: none, not even one token.")
     else:
         print(f"Longest context that fits: {format_int(b.max_context_tokens)} tokens.")
+    if b.tp > 1:
+        if spec.is_mla:
+            heads = "the whole MLA latent, which every GPU keeps"
+        else:
+            heads = f"{b.kv_heads_per_gpu} of the {spec.kv_heads} KV heads"
+            copies = kv_head_copies(spec, b.tp)
+            if copies > 1:
+                heads += f", each kept on {copies} GPUs (fewer KV heads than GPUs)"
+        print(
+            f"Split over {b.tp} GPUs: each holds {format_bytes(b.weights_bytes_per_gpu)} of the "
+            f"{format_bytes(b.weights_bytes)} of weights, and {heads}."
+        )
+    print(
+        f"Served like vLLM (--gpu-memory-utilization {c.gpu_memory_utilization:g}, --block-size "
+        f"{c.block_size}): {format_bytes(c.usable_bytes_per_gpu)} of each GPU, less "
+        f"{format_bytes(b.weights_bytes_per_gpu)} of weights and the "
+        f"{format_bytes(b.reserve_bytes)} reserve, leaves "
+        f"{format_bytes(max(0, c.kv_bytes_available_per_gpu))} for the KV cache."
+    )
+    print(f"GPU KV cache size: {format_int(c.kv_capacity_tokens)} tokens")
+    print(  # vLLM's own format, %.2fx
+        f"Maximum concurrency for {format_int(c.context_tokens)} tokens per request: "
+        f"{c.max_concurrency:,.2f}x"
+    )
+    if c.kv_blocks < c.blocks_per_request:
+        print(
+            f"vLLM would refuse to start: one request of {format_int(c.context_tokens)} tokens "
+            "needs more KV cache than is left."
+        )
+    print(
+        "A real server's figure is usually lower: it measures its own activation peak (kvtui "
+        f"reserves {format_bytes(b.reserve_bytes)}), CUDA graphs and NCCL take memory, other "
+        "processes on the GPU count against the same share, the driver reports a little under "
+        "the label, and fragmentation wastes some."
+    )
     for line in b.advice:
         print(f"- {safe_text(line, one_line=True)}")  # names a config's folder
     return 0
@@ -402,9 +456,54 @@ def _add_budget(subparsers: Any) -> None:
     dtypes = ", ".join(dtype_names())
     p.add_argument("--kv-dtype", type=dtype_arg, default="bf16", help=f"KV cache: {dtypes}")
     p.add_argument("--weights-dtype", type=dtype_arg, default="bf16", help=f"weights: {dtypes}")
+    from kvtui.sim.memory import (
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        MAX_TENSOR_PARALLEL,
+    )
+
+    p.add_argument(
+        "--tp",
+        type=int_in(1, MAX_TENSOR_PARALLEL),
+        default=1,
+        metavar="N",
+        help="tensor parallel: split the model over N GPUs of this kind, each holding its share "
+        f"(default 1, at most {MAX_TENSOR_PARALLEL:,}; vLLM's rules on heads apply)",
+    )
+
+    def utilization(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= 1:  # NaN fails too
+            raise argparse.ArgumentTypeError(
+                f"expected a number above 0 and at most 1, not {_shown(text)}"
+            )
+        return value
+
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=utilization,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        metavar="U",
+        help="the share of each GPU's memory a vLLM-style server takes, above 0 and at most 1 "
+        f"(default {DEFAULT_GPU_MEMORY_UTILIZATION:g}, vLLM's long-standing default)",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int_in(1, MAX_CONTEXT),
+        default=DEFAULT_BLOCK_SIZE,
+        metavar="B",
+        help=f"tokens per KV-cache block (default {DEFAULT_BLOCK_SIZE}, vLLM's)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_budget)
-    p.epilog = f"The runtime reserve is {format_bytes(RUNTIME_RESERVE_BYTES)}."
+    p.epilog = (
+        f"The runtime reserve is {format_bytes(RUNTIME_RESERVE_BYTES)}. The serving figures "
+        "follow vLLM's start-up log: GPU KV cache size = whole blocks in (memory x utilization "
+        "- weights - reserve) per GPU; maximum concurrency = blocks / blocks per request."
+    )
 
 
 def _add_models(subparsers: Any) -> None:

@@ -515,3 +515,117 @@ def test_the_app_without_a_terminal_says_so_in_one_line(capsys):
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and "needs a terminal" in err
+
+
+# --- budget over several GPUs, and the KV cache a server sizes -----------------------------------
+
+BUDGET_70B_4 = ("budget", "--model", "llama-3.1-70b", "--gpu", "h100", "--context", "8192")
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "kv_heads", "weights", "kv_per_token"),
+    [
+        # weights per GPU: (params - norms - K/V projections) / tp + norms + own K/V heads, bf16
+        ("llama-3.1-70b", 4, 2, 2 * 17_639_415_808, 80 * 2 * 2 * 128 * 2),
+        ("llama-3.1-70b", 16, 1, 2 * 4_494_729_216, 80 * 2 * 1 * 128 * 2),  # heads kept whole
+        ("llama-3.1-8b", 2, 4, 2 * 4_015_263_744, 32 * 2 * 4 * 128 * 2),
+        ("qwen2.5-7b", 28, 1, None, 28 * 2 * 1 * 128 * 2),
+    ],
+)
+def test_budget_tp_per_gpu_figures(capsys, model, tp, kv_heads, weights, kv_per_token):
+    data = run_json(
+        capsys, "budget", "--model", model, "--gpu", "h100", "--context", "8192", "--tp", str(tp)
+    )
+    assert set(data) >= BUDGET_KEYS | {
+        "tp",
+        "gpu_memory_utilization",
+        "block_size",
+        "kv_capacity_tokens",
+        "max_concurrency",
+        "weights_bytes_per_gpu",
+        "kv_bytes_per_token_per_gpu",
+        "kv_heads_per_gpu",
+    }
+    assert (data["tp"], data["kv_heads_per_gpu"]) == (tp, kv_heads)
+    assert data["kv_bytes_per_token_per_gpu"] == kv_per_token
+    if weights is not None:
+        assert data["weights_bytes_per_gpu"] == weights
+    assert data["used_bytes"] == data["weights_bytes_per_gpu"] + 8192 * kv_per_token + 2**30
+    block = 16 * kv_per_token
+    available = 80 * 2**30 * 9 // 10 - data["weights_bytes_per_gpu"] - 2**30
+    assert data["kv_capacity_tokens"] == available // block * 16
+    assert data["max_concurrency"] == (available // block) / (8192 // 16)
+
+
+def test_budget_capacity_is_whole_blocks_and_concurrency_follows(capsys):
+    argv = [*BUDGET_70B_4, "--tp", "4", "--gpu-memory-utilization", "0.92", "--block-size", "32"]
+    data = run_json(capsys, *argv)
+    assert (data["gpu_memory_utilization"], data["block_size"]) == (0.92, 32)
+    blocks = (80 * 2**30 * 92 // 100 - 35_278_831_616 - 2**30) // (32 * 81_920)
+    assert data["kv_capacity_tokens"] == 32 * blocks
+    assert data["kv_capacity_tokens"] % 32 == 0
+    assert data["max_concurrency"] == blocks / 256 == data["kv_capacity_tokens"] / 8192
+
+
+def test_budget_tp_1_keeps_the_one_gpu_figures(capsys):
+    args = ("budget", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "24000")
+    plain = run_json(capsys, *args, "--batch", "8")
+    same = run_json(capsys, *args, "--batch", "8", "--tp", "1", "--gpu-memory-utilization", "0.9")
+    assert plain == same
+    assert plain["kv_bytes"] == plain["kv_bytes_per_gpu"] == 25_165_824_000
+    assert plain["weights_bytes"] == plain["weights_bytes_per_gpu"] == 16_060_522_496
+    assert plain["kv_capacity_tokens"] == 459_088  # 28,693 blocks of 16 tokens
+
+
+def test_budget_tp_table_says_how_it_splits_and_what_a_server_reports(capsys):
+    code, out, err = run(capsys, *BUDGET_70B_4, "--tp", "16")
+    assert (code, err) == (0, "")
+    assert "on 16x the NVIDIA H100 (SXM, 80GB) (tensor parallel)" in out
+    assert "1 of the 8 KV heads, each kept on 2 GPUs (fewer KV heads than GPUs)" in out
+    assert "GPU KV cache size: " in out and " tokens per request: " in out
+    assert "activation peak" in out and "CUDA graphs" in out and "other processes" in out
+    code, out, _ = run(capsys, *BUDGET_70B_4, "--tp", "4")
+    assert "GPU KV cache size: 499,952 tokens" in out
+    assert "Maximum concurrency for 8,192 tokens per request: 61.03x" in out
+
+
+def test_budget_refuses_a_split_too_small_with_the_fewest_that_holds_it(capsys):
+    argv = ("budget", "--model", "llama-3.1-70b", "--gpu", "l4", "--context", "8192")
+    data = run_json(capsys, *argv, "--tp", "2")
+    assert data["status"] == "overflow" and data["kv_capacity_tokens"] == 0
+    assert any("--tp 8 on the NVIDIA L4 holds it" in line for line in data["advice"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--tp", "0"], "argument --tp: expected a positive integer up to 1,024, not '0'"),
+        (["--tp", "-1"], "argument --tp"),
+        (["--tp", "99999999999999999999999"], "argument --tp"),
+        (["--tp", "1025"], "argument --tp"),
+        (["--tp", "3"], "64 attention heads do not split evenly over 3 GPUs"),
+        (["--tp", "128"], "do not split evenly over 128 GPUs"),
+        (["--gpu-memory-utilization", "0"], "above 0 and at most 1, not '0'"),
+        (["--gpu-memory-utilization", "1.5"], "above 0 and at most 1, not '1.5'"),
+        (["--gpu-memory-utilization", "nan"], "above 0 and at most 1, not 'nan'"),
+        (["--gpu-memory-utilization", "-inf"], "--gpu-memory-utilization"),
+        (["--block-size", "0"], "argument --block-size"),
+    ],
+)
+def test_budget_bad_split_options(capsys, argv, says):
+    assert_usage_error(capsys, *BUDGET_70B_4, *argv, says=says)
+
+
+def test_bench_runs_a_model_split_over_4_gpus(capsys):
+    def bench(engine):
+        argv = ("bench", "--engine", engine, "--tokens", "8", "--replay-speed", "0")
+        return run_json(capsys, *argv)
+
+    split, alone = bench("sim:llama-3.1-70b@4xh100"), bench("sim:llama-3.1-70b@h200")
+    assert split["device"] == "sim: 4x NVIDIA H100 (SXM, 80GB), per GPU"
+    assert split["text"] == alone["text"]  # a split changes the time, never the answer
+    # each H100 reads a quarter of the weights at 3.35 TB/s; one H200 reads them all at 4.8
+    assert split["cached"]["total_s"] < alone["cached"]["total_s"] / 2
+    code, out, err = run(capsys, "bench", "--engine", "sim:llama-3.1-70b@2xl4", "--tokens", "8")
+    assert (code, out) == (2, "") and err.count("\n") == 1
+    assert "does not fit 2x NVIDIA L4" in err and "it needs at least 8" in err

@@ -33,6 +33,8 @@ class EngineSpec:
     """The catalog model of `shape:` and `sim:`."""
     gpu: str | None = None
     """The catalog GPU of `sim:`."""
+    gpus: int = 1
+    """How many of that GPU `sim:` splits the model over (tensor parallel): N of `MODEL@NxGPU`."""
     path: Path | None = None
     """The record of `replay:`, the model directory of `hf:`."""
 
@@ -52,13 +54,37 @@ def parse_engine(name: str) -> EngineSpec:
         return EngineSpec("shape", model=arg)
     if kind == "sim":
         model, at, gpu = arg.partition("@")
-        if not (model and at and gpu):
-            raise EngineError("sim: needs MODEL@GPU, e.g. sim:llama-3.1-8b@h100")
-        return EngineSpec("sim", model=model.strip(), gpu=gpu.strip())
+        if not (model and at and gpu.strip()):
+            raise EngineError(
+                "sim: needs MODEL@GPU or MODEL@NxGPU, e.g. sim:llama-3.1-8b@h100 or "
+                "sim:llama-3.1-70b@4xh100"
+            )
+        gpus, gpu = _gpu_count(gpu.strip())
+        return EngineSpec("sim", model=model.strip(), gpu=gpu, gpus=gpus)
     if not arg:
         example = "replay:runs/h100.jsonl" if kind == "replay" else "hf:~/models/Llama-3.2-1B"
         raise EngineError(f"{kind}: needs a path, e.g. {example}")
     return EngineSpec(kind, path=Path(arg).expanduser())  # type: ignore[arg-type]
+
+
+_GPU_COUNT = re.compile(r"(\d+)\s*[x×]\s*(.+)", re.IGNORECASE)
+
+
+def _gpu_count(text: str) -> tuple[int, str]:
+    """`4xh100` -> (4, "h100"); `h100` -> (1, "h100"); `EngineError` for a count out of range."""
+    from kvtui.sim.memory import MAX_TENSOR_PARALLEL
+
+    match = _GPU_COUNT.fullmatch(text)
+    if match is None:
+        return 1, text
+    digits, gpu = match.group(1), match.group(2).strip()
+    count = int(digits) if len(digits) <= 9 else MAX_TENSOR_PARALLEL + 1  # int() of any length
+    if not 1 <= count <= MAX_TENSOR_PARALLEL:
+        shown = digits if len(digits) <= 12 else digits[:9] + "..."
+        raise EngineError(
+            f"sim: the GPU count must be from 1 to {MAX_TENSOR_PARALLEL:,}, not {shown}"
+        )
+    return count, gpu
 
 
 def open_engine(settings: RunSettings) -> StepSource:
@@ -72,7 +98,7 @@ def open_engine(settings: RunSettings) -> StepSource:
     if spec.kind == "sim":
         from kvtui.engine.roofline import SimEngine
 
-        return SimEngine.open(settings, spec.model, spec.gpu)
+        return SimEngine.open(settings, spec.model, spec.gpu, spec.gpus)
     if spec.kind == "replay":
         from kvtui.engine.replay import ReplayEngine
 

@@ -19,14 +19,11 @@ from kvtui.screens.live import LoopTrace
 from kvtui.sim.catalog import UnknownNameError, get_gpu, get_model
 from kvtui.sim.work import compute_bound_positions
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Chart, downsample, fitting_ticks, nice_ticks
+from kvtui.widgets.chart import Caption, Chart, downsample, fitting_ticks, nice_ticks
 from kvtui.widgets.stream import TokenStream
 
-CAPTION = (
-    "[$primary]━[/] without a cache   [$success]━[/] with a cache   (counted by the engine)   "
-    "x: tokens"
-)
-CAPTION_NARROW = "[$primary]━[/] without a cache  [$success]━[/] with a cache  x: tokens"
+CAPTION = "{uncached} without a cache   {cached} with a cache   (counted by the engine)   x: tokens"
+CAPTION_NARROW = "{uncached} without a cache  {cached} with a cache  x: tokens"
 
 
 def _axes(plt: Plot, length: int, top: float, rows: int) -> None:
@@ -65,8 +62,8 @@ class CacheScreen(WorkScreen):
             with Vertical(classes="charts"):
                 yield Chart(id="per-step")
                 yield Chart(id="cumulative")
-                yield Static(CAPTION, classes="caption -wide-caption")
-                yield Static(CAPTION_NARROW, classes="caption -narrow-caption")
+                yield Caption(CAPTION, classes="caption -wide-caption")
+                yield Caption(CAPTION_NARROW, classes="caption -narrow-caption")
                 yield Static("", id="run-note", classes="run-note")
         yield Static("", classes="narrative", id="why")
 

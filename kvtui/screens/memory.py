@@ -36,7 +36,7 @@ from kvtui.sim.catalog import (
 )
 from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Chart, fitting_ticks, nice_ticks, sample_points
+from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.vram import VramBar
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -60,10 +60,10 @@ def gpu_from_probe(probe: dict | None) -> str | None:
 
 
 MEMORY_CAPTION = (
-    "[$warning]━[/] memory in use, by context   [$error]━[/] the GPU's capacity   "
-    "│ the context chosen"
+    "{memory} memory in use, by context   {capacity} the GPU's capacity   "
+    "{marker} the context chosen"
 )
-MEMORY_CAPTION_NARROW = "[$warning]━[/] memory in use  [$error]━[/] capacity\n│ the context chosen"
+MEMORY_CAPTION_NARROW = "{memory} memory in use  {capacity} capacity\n{marker} the context chosen"
 
 
 class BudgetCommands(Provider):
@@ -127,8 +127,8 @@ class MemoryScreen(LessonScreen):
         with Horizontal(classes="middle"):
             with Vertical(classes="chart-box"):
                 yield Chart(id="memory-chart")
-                yield Static(MEMORY_CAPTION, classes="caption -wide-caption")
-                yield Static(MEMORY_CAPTION_NARROW, classes="caption -narrow-caption")
+                yield Caption(MEMORY_CAPTION, classes="caption -wide-caption")
+                yield Caption(MEMORY_CAPTION_NARROW, classes="caption -narrow-caption")
             with Vertical(classes="side"):
                 yield Static("", id="scenario")
                 yield Static("", id="live-line")

@@ -15,6 +15,7 @@ from kvtui.screens.base import WorkScreen
 from kvtui.sim.work import naive_step_positions
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import (
+    Caption,
     Chart,
     downsample,
     fitting_ticks,
@@ -32,13 +33,12 @@ NARRATIVE = (
 )
 
 CAPTION = (
-    "[$primary]━[/] positions recomputed per step, measured   [$foreground 60%]•[/] the formula, "
-    "steps to come\n[$warning]━[/] measured time per step, smoothed (right axis: one position = "
-    "its median time)"
+    "{uncached} positions recomputed per step, measured   {formula} the formula, steps to come\n"
+    "{time} measured time per step, smoothed (right axis: one position = its median time)"
 )
 CAPTION_NARROW = (
-    "[$primary]━[/] positions per step, measured  [$foreground 60%]•[/] formula, to come\n"
-    "[$warning]━[/] measured time per step (right axis)"
+    "{uncached} positions per step, measured  {formula} formula, to come\n"
+    "{time} measured time per step (right axis)"
 )
 
 SMOOTHING_STEPS = 9
@@ -64,8 +64,8 @@ class RecomputeScreen(WorkScreen):
             yield TokenStream("Without a cache", id="stream")
             with Vertical(classes="chart-box"):
                 yield Chart(id="staircase")
-                yield Static(CAPTION, classes="caption -wide-caption")
-                yield Static(CAPTION_NARROW, classes="caption -narrow-caption")
+                yield Caption(CAPTION, classes="caption -wide-caption")
+                yield Caption(CAPTION_NARROW, classes="caption -narrow-caption")
                 yield Static("", id="run-note", classes="run-note")
         yield Static(NARRATIVE, classes="narrative")
 
@@ -110,6 +110,7 @@ class RecomputeScreen(WorkScreen):
         n, P = live.run_tokens, max(1, live.prompt_tokens)
         top = naive_step_positions(n, P)
         stairs = n <= points // 4  # few enough steps to draw each one flat
+        self._draw_time(plt, points, top)  # first: the counted stairs are drawn over it
         todo = [t for t in sample_points(n, points) if t > trace.steps]
         if todo:
             ys = [naive_step_positions(t, P) for t in todo]
@@ -120,7 +121,6 @@ class RecomputeScreen(WorkScreen):
             xs, ys = downsample([s + 1 for s in counted.steps], counted.values, points)
             xs, ys = step_line(xs, ys) if stairs else (xs, ys)
             plt.plot(xs, ys, color=chart.colour("uncached"), marker="braille")
-        self._draw_time(plt, points, top)
         plt.ylim(0, top * 1.05)
         left = fitting_ticks(top, 4, chart.rows)
         plt.yticks(left, [format_tick(t) for t in left])

@@ -168,6 +168,11 @@ class GPUSpec:
     """Peak dense BF16 tensor FLOP/s (FP16 where the part has no BF16)."""
     source: str = ""
     notes: str = ""
+    interconnect_bytes_per_s: float | None = None
+    """GPU-to-GPU bandwidth one way (NVLink, Infinity Fabric or PCIe): half the vendor's figure,
+    which counts both directions together. None where the catalog does not say."""
+    interconnect: str = ""
+    """Which link, and where its figure is from."""
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -181,6 +186,7 @@ class GPUSpec:
             "memory_bytes": self.memory_bytes,
             "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
             "peak_bf16_flops": self.peak_bf16_flops,
+            "interconnect_bytes_per_s": self.interconnect_bytes_per_s,
             "source": self.source,
         }
 
@@ -248,6 +254,12 @@ def _gpus() -> dict[str, GPUSpec]:
             peak_bf16_flops=float(entry["peak_bf16_flops"]),
             source=entry.get("source", ""),
             notes=entry.get("notes", ""),
+            interconnect_bytes_per_s=(
+                float(entry["interconnect_bytes_per_s"])
+                if entry.get("interconnect_bytes_per_s") is not None
+                else None
+            ),
+            interconnect=entry.get("interconnect", ""),
         )
         for entry in data["gpus"]
     }

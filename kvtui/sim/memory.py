@@ -14,12 +14,19 @@ kv head (grouped-query attention shares them across query heads):
   arXiv:2310.06825; Gemma 2's alternating local/global layers, arXiv:2408.00118).
 
 Sizes are exact integers of bytes; int4 (half a byte) is counted exactly and rounded up once.
+
+Split over N GPUs by tensor parallelism (Megatron-LM, arXiv:1909.08053), each GPU holds a share,
+by vLLM's rules (`shard` states them): its query heads and 1/N of the sharded weights, and
+max(1, kv_heads / N) KV heads, so that with fewer KV heads than GPUs each head is kept whole on
+several GPUs. `kv_capacity` then counts the KV cache as vLLM sizes it at start-up: whole blocks of
+tokens in what a share of each GPU's memory leaves.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -114,12 +121,154 @@ def _check_count(name: str, value: int, *, minimum: int) -> None:
         raise ValueError(f"{name} must be at least {minimum}, not {value}")
 
 
+# --- tensor parallelism: one GPU's share ---------------------------------------------------------
+
+MAX_TENSOR_PARALLEL = 1024
+"""The most GPUs a model is split over: far past one NVLink domain (8 GPUs in an HGX board, 72 in
+a GB200 NVL72 rack); a model also splits over at most as many GPUs as it has query heads."""
+
+
+def tensor_parallel_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Why vLLM cannot split `spec` over `tp` GPUs, in one line; None when it can.
+
+    vLLM's rules: the query heads split evenly (`ModelConfig.verify_with_parallel_config`,
+    vllm/config/model.py: "Total number of attention heads must be divisible by tensor parallel
+    size"), and the KV heads either split evenly or, when there are fewer of them than GPUs, each
+    is kept whole on tp / kv_heads GPUs (`QKVParallelLinear`, vllm/model_executor/layers/linear.py:
+    `divide(total_num_kv_heads, tp_size)` or `divide(tp_size, total_num_kv_heads)`). An MLA model
+    caches one latent that every GPU keeps whole, so only its query heads must split.
+    """
+    _check_count("tp", tp, minimum=1)
+    if tp > MAX_TENSOR_PARALLEL:
+        return f"at most {format_int(MAX_TENSOR_PARALLEL)} GPUs, not {format_int(tp)}"
+    if _splits(spec, tp):
+        return None
+    sizes = [format_int(n) for n in tensor_parallel_sizes(spec)]
+    if len(sizes) > 10:  # a config's head count can have many divisors
+        sizes = [*sizes[:9], "...", sizes[-1]]
+    use = f"use {', '.join(sizes[:-1])} or {sizes[-1]}" if len(sizes) > 1 else "use 1"
+    if spec.heads % tp:
+        return (
+            f"{spec.label}'s {spec.heads} attention heads do not split evenly over {tp} GPUs; {use}"
+        )
+    return (
+        f"{spec.label}'s {spec.kv_heads} KV heads neither split evenly over {tp} GPUs nor "
+        f"repeat evenly across them; {use}"
+    )
+
+
+def _splits(spec: ModelSpec, tp: int) -> bool:
+    kv_ok = spec.is_mla or spec.kv_heads % tp == 0 or tp % spec.kv_heads == 0
+    return spec.heads % tp == 0 and kv_ok
+
+
+def tensor_parallel_sizes(spec: ModelSpec) -> list[int]:
+    """Every number of GPUs vLLM can split `spec` over, smallest first (1 always)."""
+    most = min(spec.heads, MAX_TENSOR_PARALLEL)
+    return [tp for tp in range(1, most + 1) if _splits(spec, tp)]
+
+
+def check_tensor_parallel(spec: ModelSpec, tp: int) -> None:
+    """ValueError, with `tensor_parallel_problem`'s line, unless `spec` splits over `tp` GPUs."""
+    problem = tensor_parallel_problem(spec, tp)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def kv_heads_per_gpu(spec: ModelSpec, tp: int) -> int:
+    """KV heads each GPU caches: max(1, kv_heads / tp), as vLLM's `ModelConfig.get_num_kv_heads`
+    (vllm/config/model.py) computes it; 1 for MLA, whose latent "becomes MQA" there.
+
+    With fewer KV heads than GPUs each GPU still keeps one whole head, not a fraction of one:
+    Llama 3.1 70B's 8 KV heads over 16 GPUs are 1 per GPU, each on 2 GPUs.
+    """
+    check_tensor_parallel(spec, tp)
+    return 1 if spec.is_mla else max(1, spec.kv_heads // tp)
+
+
+def kv_head_copies(spec: ModelSpec, tp: int) -> int:
+    """On how many GPUs each KV head is kept: 1 while they split, tp / kv_heads when there are
+    fewer KV heads than GPUs (vLLM's `num_kv_head_replicas`), tp for an MLA latent."""
+    check_tensor_parallel(spec, tp)
+    return tp if spec.is_mla else max(1, tp // spec.kv_heads)
+
+
+def replicated_params(spec: ModelSpec) -> int:
+    """Parameters every GPU keeps whole: the norms, hidden_size each, two per layer and a final
+    one (Llama's layout; Gemma 2's four per layer are counted as two, under 0.01% of it)."""
+    return (2 * spec.layers + 1) * spec.hidden_size
+
+
+def kv_projection_params(spec: ModelSpec, kv_heads: int | None = None) -> int:
+    """Parameters of the projections that make the cached keys and values, over all layers:
+    hidden_size x kv_heads x head_dim for each of K and V (for `kv_heads` heads, the model's by
+    default); for MLA the projection down to the latent and the rotary key, hidden_size x
+    (kv_lora_rank + qk_rope_head_dim), which vLLM keeps whole on every GPU (a ReplicatedLinear)."""
+    if spec.kv_lora_rank is not None:
+        return spec.layers * spec.hidden_size * (spec.kv_lora_rank + (spec.qk_rope_head_dim or 0))
+    heads = spec.kv_heads if kv_heads is None else kv_heads
+    return spec.layers * 2 * spec.hidden_size * heads * spec.head_dim
+
+
+def params_per_gpu(spec: ModelSpec, tp: int, params: int | None = None) -> int:
+    """Parameters each of `tp` GPUs holds, of `params` (all of the model's by default).
+
+    The rule: everything is split evenly (rounded up) except the norms, which every GPU keeps
+    (`replicated_params`), and the K and V projections, of which each GPU keeps its own
+    `kv_heads_per_gpu` heads whole (so a head kept on two GPUs is counted on both). The embedding
+    and the LM head are split too: vLLM shards them by vocabulary (VocabParallelEmbedding,
+    ParallelLMHead). vLLM pads the vocabulary to a multiple of 64 first; kvtui leaves out those
+    padding rows (at most 63 x hidden_size), and counts biases and learned position tables, which
+    are small, as split.
+    """
+    check_tensor_parallel(spec, tp)
+    total = spec.params if params is None else params
+    if tp == 1:
+        return total
+    whole = replicated_params(spec) + kv_projection_params(spec)
+    own_kv = kv_projection_params(spec, kv_heads_per_gpu(spec, tp))  # MLA: the whole projection
+    return -(-max(0, total - whole) // tp) + replicated_params(spec) + own_kv
+
+
+def shard(spec: ModelSpec, tp: int) -> ModelSpec:
+    """One GPU's share of `spec` split over `tp` GPUs, as a ModelSpec: heads / tp query heads,
+    `kv_heads_per_gpu` KV heads and `params_per_gpu` parameters (active ones too, for an MoE).
+
+    Every per-model formula then gives the per-GPU figure: `kv_bytes_per_token`, `kv_bytes`,
+    `weights_bytes`, and kvtui.sim.work's FLOPs and bytes of a step. `spec` itself when tp is 1.
+    """
+    check_tensor_parallel(spec, tp)
+    if tp == 1:
+        return spec
+    return replace(
+        spec,
+        heads=spec.heads // tp,
+        kv_heads=kv_heads_per_gpu(spec, tp),
+        params=params_per_gpu(spec, tp),
+        active_params=None
+        if spec.active_params is None
+        else params_per_gpu(spec, tp, spec.active_params),
+    )
+
+
+def fewest_gpus(spec: ModelSpec, fits: Callable[[ModelSpec], bool]) -> int | None:
+    """The fewest GPUs vLLM can split `spec` over whose per-GPU share `fits` (a test of one
+    GPU's share, from `shard`); None when no split does."""
+    return next((tp for tp in tensor_parallel_sizes(spec) if fits(shard(spec, tp))), None)
+
+
 # --- a budget against one GPU --------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Budget:
-    """Weights + KV cache + runtime reserve against one GPU's memory."""
+    """Weights + KV cache + runtime reserve against one GPU's memory.
+
+    Split over `tp` GPUs, the question is whether each GPU holds its share: `weights_bytes`,
+    `kv_bytes` and `kv_bytes_per_token` stay the whole model's, the `_per_gpu` fields are one
+    GPU's share (the same figures when tp is 1), and `used_bytes`, `status` and
+    `max_context_tokens` are about one GPU.
+    """
 
     model: str
     gpu: str
@@ -135,13 +284,20 @@ class Budget:
     """The stated runtime reserve (see RUNTIME_RESERVE_BYTES)."""
     vram_bytes: int
     used_bytes: int
-    """weights + KV + reserve."""
+    """weights + KV + reserve, per GPU."""
     kv_fraction_of_vram: float
     status: str
     """"fits" when used_bytes <= vram_bytes, else "overflow"."""
     max_context_tokens: int | None
     """The longest context (at this batch and dtypes) that fits: 0 when none does, None when the
     cache stops growing (every layer slides) before memory runs out."""
+    tp: int
+    """GPUs the model is split over (tensor parallelism; 1: one GPU holds it all)."""
+    kv_heads_per_gpu: int
+    """KV heads each GPU caches (see `kv_heads_per_gpu`)."""
+    weights_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+    kv_bytes_per_gpu: int
     advice: tuple[str, ...] = field(default=())
     """What to change, in plain words: empty when it fits and nothing needs saying."""
     model_label: str = ""
@@ -175,6 +331,11 @@ class Budget:
             "status": self.status,
             "max_context_tokens": self.max_context_tokens,
             "advice": list(self.advice),
+            "tp": self.tp,
+            "kv_heads_per_gpu": self.kv_heads_per_gpu,
+            "weights_bytes_per_gpu": self.weights_bytes_per_gpu,
+            "kv_bytes_per_token_per_gpu": self.kv_bytes_per_token_per_gpu,
+            "kv_bytes_per_gpu": self.kv_bytes_per_gpu,
         }
 
 
@@ -214,18 +375,24 @@ def budget(
     kv_dtype: str = "bf16",
     weights_dtype: str = "bf16",
     reserve_bytes: int = RUNTIME_RESERVE_BYTES,
+    tp: int = 1,
 ) -> Budget:
-    """Does `batch` sequences of `context_tokens` of `spec` fit on `gpu`? With advice if not."""
+    """Does `batch` sequences of `context_tokens` of `spec` fit on `gpu`? With advice if not.
+
+    With `tp` above 1 the model is split over that many GPUs of the kind, and each must hold its
+    share (`shard`) beside the reserve; ValueError when vLLM cannot split it so.
+    """
     _check_count("context_tokens", context_tokens, minimum=1)
     _check_count("batch", batch, minimum=1)
     _check_count("reserve_bytes", reserve_bytes, minimum=0)
     kv_dtype, weights_dtype = normalize_dtype(kv_dtype), normalize_dtype(weights_dtype)
-    weights = weights_bytes(spec, weights_dtype)
-    kv = kv_bytes(spec, context_tokens, batch, kv_dtype)
+    share = shard(spec, tp)
+    weights = weights_bytes(share, weights_dtype)
+    kv = kv_bytes(share, context_tokens, batch, kv_dtype)
     used = weights + kv + reserve_bytes
     room = gpu.memory_bytes - weights - reserve_bytes
     status = "fits" if used <= gpu.memory_bytes else "overflow"
-    longest = max_context_tokens(spec, room, batch, kv_dtype)
+    longest = max_context_tokens(share, room, batch, kv_dtype)
     result = Budget(
         model=spec.name,
         gpu=gpu.name,
@@ -234,14 +401,19 @@ def budget(
         kv_dtype=kv_dtype,
         weights_dtype=weights_dtype,
         kv_bytes_per_token=kv_bytes_per_token(spec, kv_dtype),
-        kv_bytes=kv,
-        weights_bytes=weights,
+        kv_bytes=kv_bytes(spec, context_tokens, batch, kv_dtype),
+        weights_bytes=weights_bytes(spec, weights_dtype),
         reserve_bytes=reserve_bytes,
         vram_bytes=gpu.memory_bytes,
         used_bytes=used,
         kv_fraction_of_vram=kv / gpu.memory_bytes,
         status=status,
         max_context_tokens=longest,
+        tp=tp,
+        kv_heads_per_gpu=kv_heads_per_gpu(spec, tp),
+        weights_bytes_per_gpu=weights,
+        kv_bytes_per_token_per_gpu=kv_bytes_per_token(share, kv_dtype),
+        kv_bytes_per_gpu=kv,
         model_label=spec.label,
         gpu_label=gpu.display_name,
     )
@@ -258,21 +430,24 @@ def _with_advice(b: Budget, spec: ModelSpec, gpu: GPUSpec) -> Budget:
     if b.fits:
         return _replace_advice(b, advice)
 
-    room = b.vram_bytes - b.weights_bytes - b.reserve_bytes
+    share = shard(spec, b.tp)
+    each = "" if b.tp == 1 else "each "  # "on the H100", or "on each H100" of a split
+    room = b.vram_bytes - b.weights_bytes_per_gpu - b.reserve_bytes
     if room < 0 or b.max_context_tokens == 0:
+        weights = "weights" if b.tp == 1 else "weights per GPU"
         advice.append(
-            f"The {b.weights_dtype} weights ({format_bytes(b.weights_bytes)}) and the "
-            f"{format_bytes(b.reserve_bytes)} runtime reserve leave no room for a KV cache on the "
-            f"{gpu.display_name}, which has {format_bytes(b.vram_bytes)}."
+            f"The {b.weights_dtype} {weights} ({format_bytes(b.weights_bytes_per_gpu)}) and the "
+            f"{format_bytes(b.reserve_bytes)} runtime reserve leave no room for a KV cache on "
+            f"{each or 'the '}{gpu.display_name}, which has {format_bytes(b.vram_bytes)}."
         )
         for dtype in (d for d in DTYPE_BYTES if DTYPE_BYTES[d] < DTYPE_BYTES[b.weights_dtype]):
-            smaller = weights_bytes(spec, dtype)
+            smaller = weights_bytes(share, dtype)
             smaller_room = b.vram_bytes - smaller - b.reserve_bytes
-            longest = max_context_tokens(spec, smaller_room, b.batch, b.kv_dtype)
+            longest = max_context_tokens(share, smaller_room, b.batch, b.kv_dtype)
             if longest == 0:
                 continue
             change = f"Quantize the weights to {dtype} ({format_bytes(smaller)})"
-            if b.kv_bytes <= smaller_room:
+            if b.kv_bytes_per_gpu <= smaller_room:
                 advice.append(f"{change}: then it fits.")
             else:
                 advice.append(f"{change} and shorten the context to {format_int(longest)} tokens.")
@@ -281,46 +456,179 @@ def _with_advice(b: Budget, spec: ModelSpec, gpu: GPUSpec) -> Budget:
         advice.append(
             f"Shorten the context to {format_int(b.max_context_tokens or 0)} tokens or fewer."
         )
-        per_sequence = kv_bytes(spec, b.context_tokens, 1, b.kv_dtype)
+        per_sequence = kv_bytes(share, b.context_tokens, 1, b.kv_dtype)
         if b.batch > 1 and per_sequence <= room:
             fewer = min(b.batch - 1, room // per_sequence)
-            while fewer > 1 and kv_bytes(spec, b.context_tokens, fewer, b.kv_dtype) > room:
+            while fewer > 1 and kv_bytes(share, b.context_tokens, fewer, b.kv_dtype) > room:
                 fewer -= 1
             advice.append(f"Run a batch of {fewer} instead of {b.batch}.")
         for dtype in DTYPE_BYTES:
             if DTYPE_BYTES[dtype] >= DTYPE_BYTES[b.kv_dtype]:
                 continue
-            smaller_kv = kv_bytes(spec, b.context_tokens, b.batch, dtype)
+            smaller_kv = kv_bytes(share, b.context_tokens, b.batch, dtype)
             if smaller_kv <= room:
                 advice.append(
                     f"Store the KV cache in {dtype}: {format_bytes(smaller_kv)} instead of "
-                    f"{format_bytes(b.kv_bytes)}."
+                    f"{format_bytes(b.kv_bytes_per_gpu)}."
                 )
                 break
 
+    def holds(part: ModelSpec, memory: int) -> bool:
+        return (
+            weights_bytes(part, b.weights_dtype)
+            + kv_bytes(part, b.context_tokens, b.batch, b.kv_dtype)
+            + b.reserve_bytes
+            <= memory
+        )
+
+    more = fewest_gpus(spec, lambda part: holds(part, gpu.memory_bytes))
+    if more is not None and b.tp > 1 and more > b.tp:
+        advice.append(f"Split it over more GPUs: --tp {more} on the {gpu.display_name} holds it.")
+    need = b.weights_bytes_per_gpu + b.kv_bytes_per_gpu + b.reserve_bytes
     bigger = [
         get_gpu(name)
         for name in gpu_names()
-        if get_gpu(name).memory_bytes > gpu.memory_bytes
-        and b.weights_bytes + b.kv_bytes + b.reserve_bytes <= get_gpu(name).memory_bytes
+        if get_gpu(name).memory_bytes > gpu.memory_bytes and need <= get_gpu(name).memory_bytes
     ]
     if bigger:
         best = min(bigger, key=lambda g: g.memory_bytes)
         spare = format_bytes(best.memory_bytes - b.used_bytes)
+        if b.tp == 1:
+            advice.append(
+                f"Use a bigger GPU: the {best.display_name}, with "
+                f"{format_bytes(best.memory_bytes)}, holds it with {spare} to spare."
+            )
+        else:
+            advice.append(
+                f"Use bigger GPUs: {b.tp}x the {best.display_name}, with "
+                f"{format_bytes(best.memory_bytes)} each, hold it with {spare} to spare on each."
+            )
+    elif b.tp == 1:
+        split = "split the model across several (tensor or pipeline parallelism)"
+        if more is not None:
+            split += f"; --tp {more} on the {gpu.display_name} holds it"
+        advice.append(f"No GPU in the catalog holds this alone: {split}.")
+    elif more is None:
         advice.append(
-            f"Use a bigger GPU: the {best.display_name}, with {format_bytes(best.memory_bytes)}, "
-            f"holds it with {spare} to spare."
-        )
-    else:
-        advice.append(
-            "No GPU in the catalog holds this alone: split the model across several "
-            "(tensor or pipeline parallelism)."
+            f"No GPU in the catalog holds its share split {b.tp} ways, and no split over "
+            f"{gpu.display_name} GPUs holds it."
         )
     return _replace_advice(b, advice)
 
 
 def _replace_advice(b: Budget, advice: list[str]) -> Budget:
     return replace(b, advice=tuple(advice))
+
+
+# --- the KV cache a serving engine sizes at start-up ---------------------------------------------
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+"""The share of each GPU's memory a vLLM instance takes, --gpu-memory-utilization: 0.9, the
+default vLLM documented for years (engine arguments, docs.vllm.ai/en/v0.6.4). Its current docs
+(docs.vllm.ai/en/stable/cli/serve, and `CacheConfig` in vllm/config/cache.py) give 0.92: pass that
+to match a recent vLLM."""
+DEFAULT_BLOCK_SIZE = 16
+"""Tokens per KV-cache block, vLLM's default (`CacheConfig.DEFAULT_BLOCK_SIZE`,
+vllm/config/cache.py). Some attention backends choose another (MLA kernels use 64)."""
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """The KV cache a vLLM-style server allocates on each GPU, and how many requests it holds.
+
+    vLLM's rule (vllm/v1/worker/gpu_worker.py `determine_available_memory`, then
+    vllm/v1/core/kv_cache_utils.py `get_num_blocks`, `_report_kv_cache_config` and
+    `get_max_concurrency_for_kv_cache_config`):
+
+        available = total memory x utilization - weights - everything else it measured
+        blocks    = floor(available / (block_size x KV bytes per token, all layers, per GPU))
+        "GPU KV cache size: {blocks x block_size} tokens"
+        "Maximum concurrency for {M} tokens per request: {blocks / ceil(M / block_size):.2f}x"
+
+    "Everything else" is measured at start-up (the activation peak of a profiling step, CUDA
+    graphs, NCCL and the CUDA context); kvtui puts the stated RUNTIME_RESERVE_BYTES there instead.
+    Every GPU of a split holds the same blocks, each its own KV heads of them, so the figures are
+    the same per GPU and for the server. A request takes whole blocks in every layer; sliding
+    windows are not counted (vLLM keeps fewer blocks for a sliding-window layer, so it reports
+    more concurrency for Mistral 7B v0.1 or Gemma 2 than this).
+
+    A real server usually reports less: its measured activation peak is often more than 1 GiB,
+    CUDA graphs take memory, the driver shows a little under the label (79.6 GiB of an H100's 80),
+    other processes on the GPU count against the same share, and fragmentation wastes some.
+    """
+
+    tp: int
+    gpu_memory_utilization: float
+    block_size: int
+    """Tokens per block."""
+    context_tokens: int
+    """Tokens per request (vLLM's --max-model-len)."""
+    usable_bytes_per_gpu: int
+    """floor(GPU memory x utilization)."""
+    kv_bytes_available_per_gpu: int
+    """usable - weights per GPU - reserve (negative when nothing is left)."""
+    block_bytes_per_gpu: int
+    """One block of block_size tokens in every layer, on one GPU."""
+    kv_blocks: int
+    kv_capacity_tokens: int
+    """kv_blocks x block_size: vLLM's "GPU KV cache size"."""
+    blocks_per_request: int
+    """ceil(context / block_size)."""
+    max_concurrency: float
+    """kv_blocks / blocks_per_request: vLLM's "Maximum concurrency"."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_capacity(
+    spec: ModelSpec,
+    gpu: GPUSpec,
+    context_tokens: int,
+    tp: int = 1,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_dtype: str = "bf16",
+    weights_dtype: str = "bf16",
+    reserve_bytes: int = RUNTIME_RESERVE_BYTES,
+) -> KVCapacity:
+    """The KV cache a vLLM-style server sizes for `spec` on `tp` GPUs of `gpu` (see KVCapacity).
+
+    The utilization is read as the decimal it prints as (0.9 is nine tenths exactly).
+    ValueError for a utilization outside (0, 1], a block size or context below 1, or a split
+    vLLM cannot make.
+    """
+    _check_count("context_tokens", context_tokens, minimum=1)
+    _check_count("block_size", block_size, minimum=1)
+    _check_count("reserve_bytes", reserve_bytes, minimum=0)
+    if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+        raise ValueError(
+            f"gpu_memory_utilization must be above 0 and at most 1, not {gpu_memory_utilization!r}"
+        )
+    share = shard(spec, tp)
+    usable = math.floor(gpu.memory_bytes * Fraction(str(gpu_memory_utilization)))
+    available = usable - weights_bytes(share, weights_dtype) - reserve_bytes
+    per_block = _ceil(
+        block_size
+        * share.layers
+        * kv_elements_per_token_per_layer(share)
+        * dtype_bytes(normalize_dtype(kv_dtype))
+    )
+    blocks = max(0, available) // per_block
+    per_request = -(-context_tokens // block_size)
+    return KVCapacity(
+        tp=tp,
+        gpu_memory_utilization=float(gpu_memory_utilization),
+        block_size=block_size,
+        context_tokens=context_tokens,
+        usable_bytes_per_gpu=usable,
+        kv_bytes_available_per_gpu=available,
+        block_bytes_per_gpu=per_block,
+        kv_blocks=blocks,
+        kv_capacity_tokens=blocks * block_size,
+        blocks_per_request=per_request,
+        max_concurrency=blocks / per_request,
+    )
 
 
 # --- a bar to draw -------------------------------------------------------------------------------
@@ -353,10 +661,11 @@ class VramSplit:
 
 
 def vram_split(b: Budget) -> VramSplit:
-    """The budget's VRAM as weights | KV | reserve | free, clipped to the GPU when it overflows."""
+    """The budget's VRAM (one GPU's, when split) as weights | KV | reserve | free, clipped to the
+    GPU when it overflows."""
     left = b.vram_bytes
     parts = []
-    for wanted in (b.weights_bytes, b.kv_bytes, b.reserve_bytes):
+    for wanted in (b.weights_bytes_per_gpu, b.kv_bytes_per_gpu, b.reserve_bytes):
         shown = min(wanted, left)
         parts.append(shown)
         left -= shown

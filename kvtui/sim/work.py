@@ -213,3 +213,71 @@ def compute_bound_positions(
         else:
             low = middle + 1
     return low
+
+
+# --- tensor parallelism: what the GPUs exchange in a step ----------------------------------------
+
+ACTIVATION_BYTES = 2
+"""Bytes per element of the activations GPUs exchange: bf16 (they stay 16-bit when the weights
+are fp8 or int4)."""
+
+
+def tensor_parallel_all_reduces(spec: ModelSpec) -> int:
+    """All-reduces in one forward pass split over several GPUs: 2 per layer, 1 more at the start.
+
+    Megatron-style tensor parallelism (Shoeybi et al. 2019, arXiv:1909.08053, section 3) splits
+    attention by heads and the MLP by columns then rows, so each layer ends both halves with an
+    all-reduce of the hidden state (its operators f and g: "two all-reduces in the forward path").
+    vLLM's vocabulary-split embedding (VocabParallelEmbedding) adds one before the first layer.
+    """
+    return 2 * spec.layers + 1
+
+
+def tensor_parallel_step_link_bytes(
+    spec: ModelSpec, positions: int, gpus: int, batch: int = 1
+) -> int:
+    """Bytes one GPU sends over its link in a step of `positions` positions per sequence, split
+    over `gpus` GPUs (0 for one GPU), rounded up once.
+
+    Each all-reduce sums a message of batch x positions x hidden_size x ACTIVATION_BYTES; a ring
+    all-reduce sends 2(N-1)/N of the message from every GPU (Patarasuk and Yuan 2009, "Bandwidth
+    optimal all-reduce algorithms for clusters of workstations"; NCCL's nccl-tests,
+    doc/PERFORMANCE.md: bus bandwidth = algorithm bandwidth x 2(n-1)/n). Then each GPU's slice of
+    the logits of the last position, vocab_size / N of them, is gathered on one GPU, which takes
+    in (N-1)/N x vocab_size x ACTIVATION_BYTES per sequence.
+    """
+    _check("positions", positions, 1)
+    _check("gpus", gpus, 1)
+    _check("batch", batch, 1)
+    message = batch * positions * spec.hidden_size * ACTIVATION_BYTES
+    logits = batch * spec.vocab_size * ACTIVATION_BYTES
+    all_reduces = tensor_parallel_all_reduces(spec) * 2 * (gpus - 1) * message
+    return -(-(all_reduces + (gpus - 1) * logits) // gpus)
+
+
+def tensor_parallel_step_seconds(
+    spec: ModelSpec,
+    flops: float,
+    bytes_read: float,
+    positions: int,
+    gpus: int,
+    gpu: GPUSpec,
+    batch: int = 1,
+) -> float:
+    """The least time a step of `spec` split over `gpus` GPUs can take: one GPU's roofline over
+    its own `flops` and `bytes_read` (those of its share, kvtui.sim.memory.shard), plus the time
+    its link takes to send `tensor_parallel_step_link_bytes` at `gpu.interconnect_bytes_per_s`.
+
+    The exchanges are added, not overlapped: every layer waits for its all-reduce before the
+    next starts. Bandwidth only, like the rest of the roofline: a small all-reduce (a decode
+    step's is a few KiB) is in practice bound by latency, microseconds each, which this leaves
+    out. One GPU: exactly `roofline_seconds`.
+    """
+    _check("gpus", gpus, 1)
+    seconds = roofline_seconds(flops, bytes_read, gpu)
+    if gpus == 1:
+        return seconds
+    if not gpu.interconnect_bytes_per_s:
+        raise ValueError(f"the catalog gives no GPU-to-GPU bandwidth for the {gpu.display_name}")
+    link = tensor_parallel_step_link_bytes(spec, positions, gpus, batch)
+    return seconds + link / gpu.interconnect_bytes_per_s

@@ -12,6 +12,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 
 from textual.color import Color
+from textual.widgets import Static
 from textual_plotext import PlotextPlot
 from textual_plotext.plot import Plot
 
@@ -117,6 +118,34 @@ def step_line(xs: Sequence[int], ys: Sequence[float]) -> tuple[list[float], list
         sx += [x - 0.5, x + 0.5]
         sy += [y, y]
     return sx, sy
+
+
+GLYPHS = {"formula": "•", "marker": "│"}
+"""How a series shows in a legend, where not as a line ("━")."""
+
+
+class Caption(Static):
+    """A chart's legend: each `{series}` in the template becomes that series' mark, in the very
+    colour the chart draws it (readable on the theme), refreshed when the theme changes."""
+
+    def __init__(self, template: str, *, classes: str | None = None) -> None:
+        super().__init__("", classes=classes)
+        self.template = template
+
+    def on_mount(self) -> None:
+        self.watch(self.app, "theme", self._theme_changed, init=True)
+
+    def _theme_changed(self, _theme: str) -> None:
+        self._fill()
+        self.call_after_refresh(self._fill)  # once the theme's variables are the new ones
+
+    def _fill(self) -> None:
+        variables = self.app.theme_variables
+        marks = {}
+        for series in SERIES:
+            r, g, b = series_colour(variables, series)
+            marks[series] = f"[#{r:02x}{g:02x}{b:02x}]{GLYPHS.get(series, '━')}[/]"
+        self.update(self.template.format(**marks))
 
 
 class Chart(PlotextPlot):

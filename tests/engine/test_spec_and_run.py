@@ -284,3 +284,87 @@ def test_engine_process_imports_nothing_from_the_users_directory(tmp_path, monke
     proc.close()
     assert got == events, got[-1]
     assert not marker.exists()
+
+
+# --- sim: split over several GPUs ----------------------------------------------------------------
+
+
+def test_sim_names_take_a_gpu_count():
+    from kvtui.engine.spec import parse_engine
+
+    spec = parse_engine("sim:llama-3.1-70b@4xh100")
+    assert (spec.kind, spec.model, spec.gpu, spec.gpus) == ("sim", "llama-3.1-70b", "h100", 4)
+    assert parse_engine("sim:llama-3.1-70b@ 8 X h200").gpus == 8
+    assert parse_engine("sim:llama-3.1-8b@h100").gpus == 1
+    for bad in (
+        "sim:llama-3.1-8b@0xh100",
+        "sim:llama-3.1-8b@2000xh100",
+        f"sim:x@{'9' * 5000}xh100",
+    ):
+        with pytest.raises(EngineError, match="GPU count must be from 1 to 1,024"):
+            parse_engine(bad)
+
+
+def test_one_gpu_written_1x_is_the_same_run():
+    one = replace(SIM, engine="sim:llama-3.1-8b@1xh100")
+    a = [e for e in run_events(open_engine(SIM), SIM) if isinstance(e, StepSample)]
+    b = [e for e in run_events(open_engine(one), one) if isinstance(e, StepSample)]
+    assert a == b
+
+
+def test_sim_split_over_4_gpus_runs_each_gpus_share():
+    from kvtui.sim.memory import kv_bytes_per_token, shard
+    from kvtui.sim.work import tensor_parallel_step_link_bytes
+
+    settings = RunSettings(engine="sim:llama-3.1-70b@4xh100", tokens=8, replay_speed=0)
+    events = list(run_events(open_engine(settings), settings))
+    started, spec, gpu = events[0], get_model("llama-3.1-70b"), get_gpu("h100")
+    share = shard(spec, 4)
+    assert started.device == "sim: 4x NVIDIA H100 (SXM, 80GB), per GPU"
+    assert (started.kv_heads, started.kv_bytes_per_token) == (2, kv_bytes_per_token(share))
+    assert started.weights_bytes == weights_bytes(share) == 35_278_831_616
+    P = started.prompt_tokens
+    for i, s in enumerate(steps_of(events, "cached")[1:], start=1):
+        assert s.bytes_read == decode_step_bytes(share, P + i)
+        assert s.kv_bytes == kv_bytes(share, P + i)
+        link = tensor_parallel_step_link_bytes(spec, 1, 4) / gpu.interconnect_bytes_per_s
+        assert s.step_seconds == roofline_seconds(s.flops, s.bytes_read, gpu) + link
+    # against the whole model on one H200 (it fits there): each H100 reads a quarter of it
+    alone = RunSettings(engine="sim:llama-3.1-70b@h200", tokens=8, replay_speed=0)
+    whole = steps_of(list(run_events(open_engine(alone), alone)), "cached")
+    for split, one in zip(steps_of(events, "cached")[1:], whole[1:], strict=True):
+        assert split.step_seconds < one.step_seconds / 2
+
+
+@pytest.mark.parametrize(
+    ("engine", "says"),
+    [
+        (
+            "sim:llama-3.1-70b@2xl4",
+            "llama-3.1-70b does not fit 2x NVIDIA L4 (65.7 GiB of bf16 weights per GPU + the "
+            "1 GiB runtime reserve > 24 GiB); it needs at least 8: sim:llama-3.1-70b@8xl4",
+        ),
+        (
+            "sim:llama-3.1-70b@h100",
+            "do not fit in NVIDIA H100 (SXM, 80GB) (80 GiB); it needs at least 2",
+        ),
+        ("sim:deepseek-v3@4xh200", "it needs at least 16: sim:deepseek-v3@16xh200"),
+        ("sim:llama-3.1-70b@3xh100", "64 attention heads do not split evenly over 3 GPUs"),
+    ],
+)
+def test_sim_refuses_a_split_too_small_naming_the_fewest_gpus(engine, says):
+    with pytest.raises(EngineError) as caught:
+        open_engine(RunSettings(engine=engine))
+    assert says in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_fewest_gpus_named_are_the_fewest_that_fit():
+    from kvtui.sim.memory import shard
+
+    gib = 2**30
+    spec = get_model("llama-3.1-70b")
+    for tp, fits in ((4, False), (8, True)):  # 24 GiB L4s; 5, 6 and 7 do not split 64 heads
+        assert (weights_bytes(shard(spec, tp)) + gib <= 24 * gib) is fits
+    deepseek = get_model("deepseek-v3")  # 671B, bf16 in the sim (1,250 GiB), on 141 GiB H200s
+    assert weights_bytes(shard(deepseek, 8), "bf16") + gib > 141 * gib
+    assert weights_bytes(shard(deepseek, 16), "bf16") + gib <= 141 * gib

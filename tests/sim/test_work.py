@@ -233,3 +233,40 @@ def test_an_uncached_step_turns_compute_bound_near_the_ridge_point():
         )
 
     assert bound(t + 1) and not bound(t - 1)
+
+
+# --- tensor parallelism: the all-reduces ---------------------------------------------------------
+
+
+def test_two_all_reduces_per_layer_and_one_for_the_embedding():
+    from kvtui.sim.work import tensor_parallel_all_reduces
+
+    assert tensor_parallel_all_reduces(get_model("llama-3.1-70b")) == 2 * 80 + 1
+
+
+def test_link_bytes_of_a_ring_all_reduce_exact():
+    from kvtui.sim.work import tensor_parallel_step_link_bytes
+
+    spec = get_model("llama-3.1-70b")  # hidden 8192, vocab 128,256
+    message = 8192 * 2  # one position's bf16 hidden state
+    all_reduces = 161 * 2 * 3 * message  # 2(N-1)/N of it per all-reduce, times N = 4
+    logits = 3 * 128_256 * 2  # (N-1)/N of the logits gathered on one GPU, times N
+    assert tensor_parallel_step_link_bytes(spec, 1, 4) == (all_reduces + logits) // 4 == 4_149_120
+    assert tensor_parallel_step_link_bytes(spec, 1, 1) == 0
+    assert tensor_parallel_step_link_bytes(spec, 44, 4) > 44 * 3_900_000  # grows with positions
+
+
+def test_a_split_step_is_its_gpus_roofline_plus_the_link():
+    from kvtui.sim.memory import shard
+    from kvtui.sim.work import tensor_parallel_step_link_bytes, tensor_parallel_step_seconds
+
+    spec, gpu = get_model("llama-3.1-70b"), get_gpu("h100")
+    share = shard(spec, 4)
+    flops, read = decode_step_flops(share, 1024), decode_step_bytes(share, 1024)
+    seconds = tensor_parallel_step_seconds(spec, flops, read, 1, 4, gpu)
+    link = tensor_parallel_step_link_bytes(spec, 1, 4) / 450e9  # NVLink 4, one way
+    assert seconds == roofline_seconds(flops, read, gpu) + link
+    assert read == weights_bytes(share) + kv_bytes(share, 1024)  # its share only
+    one = get_model("llama-3.1-8b")
+    f1, r1 = decode_step_flops(one, 99), decode_step_bytes(one, 99)
+    assert tensor_parallel_step_seconds(one, f1, r1, 1, 1, gpu) == roofline_seconds(f1, r1, gpu)
