@@ -521,7 +521,9 @@ def _add_gpus(subparsers: Any) -> None:
 def _add_run_options(group: Any, *, app: bool) -> None:
     """The options of a decode run, shared by the app and `kvtui bench`."""
     group.add_argument(
-        "--engine", default="tiny", help="tiny (default), shape:MODEL, sim:MODEL@GPU or replay:FILE"
+        "--engine",
+        default="tiny",
+        help="tiny (default), shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU or replay:FILE",
     )
     group.add_argument(
         "--device",

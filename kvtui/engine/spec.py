@@ -1,4 +1,5 @@
-"""Engine names, parsed once: `tiny`, `shape:MODEL`, `sim:MODEL@GPU`, `replay:FILE`, `hf:DIR`.
+"""Engine names, parsed once: `tiny`, `shape:MODEL`, `sim:MODEL@GPU` (or `@NxGPU`, tensor
+parallel), `replay:FILE`, `hf:DIR`.
 
 `parse_engine` turns a name into an `EngineSpec` (or one `EngineError` line); `check_run` refuses,
 cheaply and without torch, settings no engine can run (a CUDA device where there is none, more
@@ -21,7 +22,7 @@ from kvtui.engine.protocol import MAX_TOKENS, EngineError, RunSettings, StepSour
 
 EngineKind = Literal["tiny", "shape", "sim", "replay", "hf"]
 
-ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, replay:FILE, hf:DIR"
+ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR"
 
 
 @dataclass(frozen=True)

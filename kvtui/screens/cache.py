@@ -158,6 +158,12 @@ class CacheScreen(WorkScreen):
             model, gpu = get_model(spec.model or ""), get_gpu(spec.gpu or "")
         except (EngineError, UnknownNameError):
             return "Times are modelled (roofline), not measured."
+        if spec.gpus > 1:
+            return (
+                f"Modelled (roofline), not measured: {spec.gpus} {gpu.display_name}s each read "
+                "their share of the weights and exchange activations twice a layer; a step "
+                "recomputing few positions costs what a cached one does."
+            )
         crossover = compute_bound_positions(model, gpu)
         where = (
             f"until it recomputes about {crossover:,} positions"
