@@ -32,9 +32,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.decoder import ModelArgs, Transformer, matvec  # noqa: E402
+from kvtui.decoder import Linear, ModelArgs, Transformer, project  # noqa: E402
 from kvtui.engine.protocol import DEFAULT_PROMPT  # noqa: E402
-from kvtui.engine.torch_engine import TINY_ARGS, Sampling, encode_text, generate, load_tiny  # noqa: E402  # noqa: E402
+from kvtui.engine.torch_engine import (  # noqa: E402
+    TINY_ARGS,
+    Sampling,
+    encode_text,
+    generate,
+    load_tiny,
+)
 
 CACHED_GOAL = 1.5
 """Issue 4: cached tokens/s at least 1.5x transformers' on this CPU."""
@@ -167,14 +173,14 @@ def run_hf(hf, prompt: torch.Tensor, n: int, cached: bool) -> tuple[float, list]
 @torch.inference_mode()
 def run_floor(model: Transformer, prompt: torch.Tensor, n: int, cached: bool) -> tuple[float, list]:
     """The weights floor: n steps of nothing but one step's matrix-vector products (every
-    `nn.Linear` of the model, in order, on a one-token input, through the kernel our step uses).
+    linear layer of the model, in order, on a one-token input, through the kernel our step uses).
     Any fp32 implementation of this shape reads these bytes every step."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
     inputs = {lin.in_features: torch.randn(1, 1, lin.in_features) for lin in linears}
     t0 = time.perf_counter()
     for _ in range(n):
         for lin in linears:
-            matvec(inputs[lin.in_features], lin.weight)
+            project(inputs[lin.in_features], lin)
     return time.perf_counter() - t0, []
 
 
@@ -278,10 +284,13 @@ def measure(
 def print_table(report: dict) -> None:
     print(
         f"kvtui tiny engine vs transformers {report['transformers_version']} generate "
-        f"(torch {report['torch_version']}, {report['threads']} thread, fp32, batch 1, greedy, "
+        f"(torch {report['torch_version']}, CPU capability {report['cpu_capability']}, "
+        f"{report['threads']} thread, fp32, batch 1, greedy, "
         f"{report['prompt_tokens']}-token prompt, weights: {report['weights']}, "
         f"median of {report['repeats']} interleaved runs)"
     )
+    kernels = ", ".join(f"{'x'.join(map(str, k['shape']))} {k['kernel']}" for k in report["matvec"])
+    print(f"our one-vector products (choose_matvec on loading): {kernels}")
     print(
         f"{'loop':9}{'N':>6}{'ours tok/s':>12}{'HF tok/s':>10}{'ours/HF':>9}{'best':>7}"
         f"{'CPU-time':>10}{'goal':>6}{'met':>5}  same ids as HF"
@@ -343,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "threads": torch.get_num_threads(),
@@ -350,6 +360,14 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": prompt.shape[1],
         "weights": meta.get("name", "tiny"),
         "model_args": asdict(ours.args),
+        "matvec": [
+            {
+                "shape": list(t.shape),
+                "kernel": t.kernel,
+                "us_per_pass": {k: 1e6 * s for k, s in t.seconds.items()},
+            }
+            for t in ours.matvec_timings
+        ],
         **measured,
     }
     if args.json:

@@ -1,24 +1,22 @@
-"""Where a cached step's time goes on the CPU: the step's path, the weights' layout, the kernel.
+"""Where a cached step's time goes on the CPU: the weights' layout and the one-vector kernel.
 
-Two tables, each timed interleaved over `--rounds` rounds (median and best, ms per step):
+The cached loop's step is `forward` on one token (`Transformer.decode`); the only CPU-specific
+choice in it is how each linear layer multiplies one vector, which `choose_matvec` makes by timing
+when the engine loads the model (`ready_to_decode` -> `store_weights_transposed`). This script
+shows that choice and what it is worth, on this machine, in three tables:
 
-Whole steps of the shipped model at position `--position` (one token through the KV cache):
+1. `choose_matvec` as the engine ran it on loading: per weight shape, each kernel's best time.
+2. Whole cached steps of the shipped model at position `--position` (the caches rewound before
+   each), with the weights as trained (`F.linear`) and stored transposed with each kernel.
+3. The step's matrix-vector products alone: each of the tiny model's 25 weights (13.6 MB of fp32)
+   times one vector, in the model's order, several ways (and the weight bytes streamed per
+   second), and once more through a module call per weight (`Block.forward` makes none).
 
-- `forward(token, position, use_cache=True)`, weights as trained (the module path);
-- `decode(token, position)`, weights as trained (the one-token path: no module calls);
-- `decode(token, position)`, weights stored transposed: what the engine runs on a CPU.
-
-The step's matrix-vector products alone: each of the tiny model's 25 weights (13.6 MB of fp32)
-times one vector, in the model's order, four ways (and the weight bytes streamed per second):
-
-- `F.linear`, weights as trained: `(out, in)` rows, as `nn.Linear` stores them;
-- `F.linear`, weights stored transposed, `(in, out)` in memory (`store_weights_transposed`);
-- `torch.mv` on the transposed weights;
-- `matvec`, what the cached step uses: `embedding_bag`'s weighted row sum on the transposed
-  weights (FBGEMM, x86), else `F.linear`.
+Each way is timed over `--steps` calls per round, `--rounds` rounds, the ways taking turns;
+median and best, ms per step. The machine may be shared: compare ways within one run.
 
     python benchmarks/decode_step.py
-    python benchmarks/decode_step.py --json
+    python benchmarks/decode_step.py --json > benchmarks/results/decode_step-DATE.json
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.decoder import Transformer, matvec  # noqa: E402
+from kvtui.decoder import MATVEC_KERNELS, Linear, Transformer, project, row_sum  # noqa: E402
 from kvtui.engine.torch_engine import load_tiny  # noqa: E402
 
 
@@ -62,17 +60,23 @@ def interleaved(ways: dict, rounds: int, steps: int) -> dict[str, dict[str, floa
     }
 
 
-def one_step(model: Transformer, position: int, use_forward: bool):
+def with_kernel(model: Transformer, kernel) -> Transformer:
+    """A copy of `model` whose every linear layer multiplies through `kernel`."""
+    model = copy.deepcopy(model)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.matvec = kernel
+    return model
+
+
+def one_step(model: Transformer, position: int):
     """One cached step at `position`, again and again: the caches are rewound before each."""
     token = torch.tensor([[ord("e")]])
 
     def run() -> None:
         for cache in model.caches:
             cache.length = position
-        if use_forward:
-            model(token, start=position, use_cache=True)
-        else:
-            model.decode(token, position)
+        model.decode(token, position)
 
     return run
 
@@ -80,10 +84,10 @@ def one_step(model: Transformer, position: int, use_forward: bool):
 def print_table(title: str, rows: dict, extra: str = "") -> None:
     base = next(iter(rows.values()))["ms_per_step_median"]
     print(title)
-    print(f"  {'way':52}{'ms/step':>9}{'best':>7}{'speed':>8}{extra:>7}".rstrip())
+    print(f"  {'way':56}{'ms/step':>9}{'best':>7}{'speed':>8}{extra:>7}".rstrip())
     for name, r in rows.items():
         line = (
-            f"  {name:52}{r['ms_per_step_median']:>9.3f}{r['ms_per_step_best']:>7.3f}"
+            f"  {name:56}{r['ms_per_step_median']:>9.3f}{r['ms_per_step_best']:>7.3f}"
             f"{base / r['ms_per_step_median']:>7.2f}x"
         )
         if "gb_per_s_median" in r:
@@ -101,47 +105,49 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
-    model, _ = load_tiny(torch.device("cpu"), torch.float32)  # weights stored transposed
-    as_trained = copy.deepcopy(model)
+    engine, _ = load_tiny(torch.device("cpu"), torch.float32)  # as the engine loads it
+    as_trained = with_kernel(engine, F.linear)
     for module in as_trained.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, Linear):
             module.weight = torch.nn.Parameter(module.weight.contiguous(), requires_grad=False)
+    models = {"weights as trained, F.linear": as_trained}
+    for name, kernel in MATVEC_KERNELS.items():
+        models[f"weights stored transposed, {name}"] = with_kernel(engine, kernel)
     prompt = torch.randint(0, 256, (1, args.position), generator=torch.Generator().manual_seed(0))
-    for m in (model, as_trained):
+    for m in models.values():
         m.setup_caches(1, args.position + 1)
         m(prompt, start=0, use_cache=True)
     steps = interleaved(
-        {
-            "forward (module path), weights as trained": one_step(as_trained, args.position, True),
-            "decode (one-token path), weights as trained": one_step(
-                as_trained, args.position, False
-            ),
-            "decode, weights stored transposed (the engine)": one_step(model, args.position, False),
-        },
-        args.rounds,
-        args.steps,
+        {name: one_step(m, args.position) for name, m in models.items()}, args.rounds, args.steps
     )
 
-    transposed = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in engine.modules() if isinstance(m, Linear)]
+    transposed = [m.weight for m in linears]
     rows = [w.contiguous() for w in transposed]  # the same values, laid out as trained
     vectors = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w in rows}
     weight_bytes = sum(w.numel() * w.element_size() for w in rows)
 
-    def linear_on(weights):
-        return lambda: [F.linear(vectors[w.shape[1]], w) for w in weights]
+    def on(weights, kernel):
+        return lambda: [kernel(vectors[w.shape[1]], w) for w in weights]
 
-    products = interleaved(
-        {
-            "F.linear, weights as trained": linear_on(rows),
-            "F.linear, weights stored transposed": linear_on(transposed),
-            "torch.mv, weights stored transposed": lambda: [
-                torch.mv(w, vectors[w.shape[1]].view(-1)) for w in transposed
-            ],
-            "matvec (the engine)": lambda: [matvec(vectors[w.shape[1]], w) for w in transposed],
-        },
-        args.rounds,
-        args.steps,
-    )
+    def mv(x, w):
+        return torch.mv(w, x.view(-1))
+
+    product_ways = {
+        "F.linear, weights as trained": on(rows, F.linear),
+        "F.linear, weights stored transposed": on(transposed, F.linear),
+        "torch.mv, weights stored transposed": on(transposed, mv),
+        "row_sum (FBGEMM), weights stored transposed": on(transposed, row_sum),
+        "the engine's choice (project)": lambda: [
+            project(vectors[m.in_features], m) for m in linears
+        ],
+        "the same, as module calls (Linear.__call__)": lambda: [
+            m(vectors[m.in_features]) for m in linears
+        ],
+    }
+    if "row_sum" not in MATVEC_KERNELS:
+        del product_ways["row_sum (FBGEMM), weights stored transposed"]
+    products = interleaved(product_ways, args.rounds, args.steps)
     for r in products.values():
         r["gb_per_s_median"] = weight_bytes / r["ms_per_step_median"] / 1e6
     report = {
@@ -152,6 +158,16 @@ def main(argv: list[str] | None = None) -> int:
         "position": args.position,
         "weights": len(rows),
         "weight_bytes": weight_bytes,
+        "choose_matvec": [
+            {
+                "shape": list(t.shape),
+                "weights": t.weights,
+                "timed": t.timed,
+                "kernel": t.kernel,
+                "us_per_pass": {k: 1e6 * s for k, s in t.seconds.items()},
+            }
+            for t in engine.matvec_timings
+        ],
         "steps": steps,
         "matrix_vector_products": products,
     }
@@ -159,9 +175,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(
-        f"tiny model on the CPU, 1 thread, fp32, torch {torch.__version__} "
-        f"({report['cpu_capability']}), median of {args.rounds} interleaved rounds"
+        f"tiny model on the CPU, 1 thread, fp32, torch {torch.__version__}, "
+        f"CPU capability {report['cpu_capability']}, median of {args.rounds} interleaved rounds"
     )
+    print("choose_matvec on loading (best us per pass over the weights of a shape):")
+    for t in report["choose_matvec"]:
+        times = ", ".join(f"{k} {us:.0f}" for k, us in t["us_per_pass"].items())
+        shape = "x".join(map(str, t["shape"]))
+        print(f"  {shape:>9} x{t['timed']}: {times} -> {t['kernel']}")
     print_table(f"A cached step at position {args.position}:", steps)
     print_table(
         f"Its {len(rows)} matrix-vector products alone ({weight_bytes / 1e6:.1f} MB of weights):",

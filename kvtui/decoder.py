@@ -5,17 +5,19 @@ embeddings, a SwiGLU MLP and grouped-query attention with fewer key/value heads 
 that its KV cache has the same structure as the catalog models' and `kvtui.sim.memory` applies to it
 unchanged. The vocabulary is bytes (256 values): no tokenizer file.
 
-The same module serves training (`forward(idx)` over a whole sequence, causal) and decoding (with a
-`KVCache` per layer, writing the new keys and values at their positions). `decode` is the cached
-loop's one-token step: the same arithmetic as `forward` in fewer, cheaper calls, because on a CPU
-that step is bound by dispatch and by how fast its weights stream (`store_weights_transposed`,
-`matvec`).
+One `forward(idx, start, use_cache)` serves training (a whole sequence, causal), prefill, the
+uncached loop and the cached loop's one-token step (`decode`, which writes the new keys and values
+into a `KVCache` per layer at their positions). The one CPU-specific piece is how a linear layer
+multiplies a single vector (`Linear`, `choose_matvec`): by the kernel measured fastest on the
+machine that runs, on the model's own weights.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -91,11 +93,10 @@ class KVCache(nn.Module):
         shape = (batch, n_kv_head, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.max_len = max_len
         self.length = 0
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[2]
+        self.bytes_per_position = self.allocated_bytes // max_len
+        """Keys and values of one position, measured once: `filled_bytes` is read every step."""
 
     @property
     def allocated_bytes(self) -> int:
@@ -104,7 +105,7 @@ class KVCache(nn.Module):
     @property
     def filled_bytes(self) -> int:
         """Bytes of the positions written so far (keys and values)."""
-        return self.allocated_bytes * self.length // self.max_len
+        return self.length * self.bytes_per_position
 
     def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write `k`, `v` `(B, n_kv_head, T, head_dim)` at positions `start..start+T-1`; return
@@ -112,10 +113,11 @@ class KVCache(nn.Module):
         end = start + k.shape[2]
         if end > self.max_len:
             raise IndexError(f"KV cache holds {self.max_len} positions; asked to write {end}")
-        self.k.narrow(2, start, end - start).copy_(k)
-        self.v.narrow(2, start, end - start).copy_(v)
+        keys, values = self.k, self.v
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
         self.length = max(self.length, end)
-        return self.k.narrow(2, 0, self.length), self.v.narrow(2, 0, self.length)
+        return keys[:, :, : self.length], values[:, :, : self.length]
 
 
 class RMSNorm(nn.Module):
@@ -129,8 +131,9 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
-    """`x * rsqrt(mean(x^2) + eps) * weight`, in one op, without a module call."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    """`norm(x)` without a module call: `x * rsqrt(mean(x^2) + eps) * weight`."""
+    weight = norm.weight
+    return F.rms_norm(x, weight.shape, weight, norm.eps)
 
 
 def rope_table(n_positions: int, head_dim: int, base: float) -> Tensor:
@@ -151,37 +154,24 @@ def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
 
 
-def matvec(x: Tensor, weight: Tensor) -> Tensor:
-    """`F.linear(x, weight)` for the one-token step: `x` is `(B, 1, in_features)`.
+# --- one vector times a weight, on a CPU: the kernel measured fastest here --------------------
 
-    A weight stored transposed on a CPU (`Transformer.store_weights_transposed`) is, in memory,
-    one row of `out_features` per input feature, and for one vector `x @ weight.T` is the sum of
-    those rows weighted by `x`'s features: what `embedding_bag(mode="sum", per_sample_weights=x)`
-    computes, in an FBGEMM kernel (x86 builds of torch). For weights up to a few MB, such as the
-    tiny model's, that kernel beats MKL's product on the same layout (1.1-3x a weight here); for
-    larger ones it is about twice as slow, so they, and anything else (several vectors, the layout
-    as trained, a GPU, no FBGEMM), go to `F.linear`. `benchmarks/decode_step.py` measures it.
+
+def row_sum(x: Tensor, weight: Tensor) -> Tensor:
+    """`F.linear(x, weight)`, for one vector `x` `(1, 1, in_features)` against a weight stored
+    transposed on a CPU, as FBGEMM's weighted sum of the weight's rows (`embedding_bag`).
+
+    Stored transposed (`Transformer.store_weights_transposed`), a weight is in memory one row of
+    `out_features` per input feature, and `x @ weight.T` is the sum of those rows weighted by
+    `x`'s features: `embedding_bag(mode="sum", per_sample_weights=x)`. Anything else (several
+    vectors, the layout as trained, a GPU) goes to `F.linear`.
     """
-    if (
-        weight.stride(0) == 1
-        and weight.numel() <= ROW_SUM_MAX_ELEMENTS
-        and x.numel() == x.shape[-1]
-        and x.device.type == "cpu"
-        and _FBGEMM
-    ):
+    if weight.stride(0) == 1 and x.numel() == x.shape[-1] and x.device.type == "cpu":
         rows = weight.t()  # (in_features, out_features), contiguous
         index, offsets = _rows_and_offsets(rows.shape[0])
         out = F.embedding_bag(index, rows, offsets, mode="sum", per_sample_weights=x.reshape(-1))
         return out.view(*x.shape[:-1], -1)
     return F.linear(x, weight)
-
-
-ROW_SUM_MAX_ELEMENTS = 1 << 21
-"""Largest weight `matvec` sums by rows (8 MB in fp32). Measured on this machine, one thread: the
-row sum is 1.1-3.3x faster than `F.linear` from 256x256 to 4096x1024, and 0.5x at 4096x4096
-and beyond."""
-
-_FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
 
 
 @functools.cache
@@ -192,71 +182,139 @@ def _rows_and_offsets(n_rows: int) -> tuple[Tensor, Tensor]:
         return torch.arange(n_rows), torch.zeros(1, dtype=torch.long)
 
 
+MATVEC_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"linear": F.linear}
+"""What `choose_matvec` times for one vector against a weight: `F.linear` (MKL's product on a
+CPU) and, where torch has FBGEMM (x86 builds), `row_sum`. In the order ties are broken."""
+if "fbgemm" in torch.backends.quantized.supported_engines:
+    MATVEC_KERNELS["row_sum"] = row_sum
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` without bias, multiplying through `self.matvec`: `F.linear`, unless
+    `choose_matvec` measured another kernel faster for one vector against this weight."""
+
+    def __init__(self, in_features: int, out_features: int, **factory: object) -> None:
+        super().__init__(in_features, out_features, bias=False, **factory)
+        self.matvec: Callable[[Tensor, Tensor], Tensor] = F.linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        return project(x, self)
+
+
+def project(x: Tensor, linear: Linear) -> Tensor:
+    """`linear(x)` without a module call: `x @ weight.T` through the layer's `matvec`."""
+    return linear.matvec(x, linear.weight)
+
+
+@dataclass(frozen=True)
+class MatvecTiming:
+    """What `choose_matvec` measured for the weights of one shape."""
+
+    shape: tuple[int, int]
+    """`(out_features, in_features)`."""
+    weights: int
+    """Weights of this shape in the model; the first `timed` of them were timed."""
+    timed: int
+    seconds: dict[str, float]
+    """Best time of each kernel of `MATVEC_KERNELS` for one vector against each timed weight."""
+
+    @property
+    def kernel(self) -> str:
+        """The fastest (the first of equals)."""
+        return min(self.seconds, key=self.seconds.__getitem__)
+
+
+@torch.inference_mode()
+def choose_matvec(
+    model: nn.Module, rounds: int = 5, bytes_per_pass: int = 64 << 20
+) -> list[MatvecTiming]:
+    """Time every kernel of `MATVEC_KERNELS` on the model's own weights, one vector at a time as
+    a cached step multiplies them, and give each CPU `Linear` the fastest for its shape.
+
+    Per shape, each kernel multiplies one vector by the model's weights of that shape in turn
+    (as many as fit in `bytes_per_pass`, so that they stream from memory as in a step rather
+    than sit in a core's cache), `rounds` times after one round to warm up, the kernels taking
+    turns; each keeps its best time. Some 30 ms for the tiny model. Which kernel wins depends
+    on the CPU (FBGEMM's row sum won on an AVX-512 EPYC, MKL on an AVX2 one), so it is measured
+    where the model runs.
+    """
+    groups: dict[tuple[int, int], list[Linear]] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.device.type == "cpu":
+            groups.setdefault(tuple(module.weight.shape), []).append(module)
+    timings = []
+    for shape, linears in groups.items():
+        first = linears[0].weight
+        weights = [m.weight for m in linears[: max(1, bytes_per_pass // first.nbytes)]]
+        x = torch.ones(1, 1, shape[1], dtype=first.dtype)
+        seconds = dict.fromkeys(MATVEC_KERNELS, math.inf)
+        for warm_up in [True] + [False] * rounds:
+            for name, kernel in MATVEC_KERNELS.items():
+                t0 = time.perf_counter()
+                for w in weights:
+                    kernel(x, w)
+                if not warm_up:
+                    seconds[name] = min(seconds[name], time.perf_counter() - t0)
+        timing = MatvecTiming(shape, len(linears), len(weights), seconds)
+        for m in linears:
+            m.matvec = MATVEC_KERNELS[timing.kernel]
+        timings.append(timing)
+    return timings
+
+
 class Attention(nn.Module):
+    """The projections of grouped-query attention: `wqkv` (queries, keys and values in one
+    product) and `wo`. `Block.forward` applies them."""
+
     def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
         self.q_dim = args.n_head * args.head_dim
         self.kv_dim = args.n_kv_head * args.head_dim
-        self.wqkv = nn.Linear(args.dim, self.q_dim + 2 * self.kv_dim, bias=False, **factory)
-        self.wo = nn.Linear(self.q_dim, args.dim, bias=False, **factory)
-
-    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
-        B, T, _ = x.shape
-        qk, v = self.wqkv(x).split((self.q_dim + self.kv_dim, self.kv_dim), dim=-1)
-        # Queries and keys are rotated together: one RoPE over n_head + n_kv_head heads.
-        qk = apply_rope(qk.view(B, T, self.n_head + self.n_kv_head, self.head_dim), freqs)
-        q, k = qk.split((self.n_head, self.n_kv_head), dim=2)
-        q = q.transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = k.transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
-        S = k.shape[2]
-        # Grouped-query attention: each key/value head serves n_head // n_kv_head query heads.
-        if T == 1:
-            # One new query sees every cached key. Not is_causal: SDPA aligns that mask top-left,
-            # so a single query would see only key 0. The query heads of one group become rows
-            # against their shared key/value head: no copy of the cache.
-            group = q.reshape(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)
-            y = F.scaled_dot_product_attention(group, k, v).reshape(
-                B, self.n_head, 1, self.head_dim
-            )
-        elif T == S:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            # Several new queries after a cached prefix: causal mask aligned bottom-right.
-            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.q_dim))
-
-    def decode(self, x: Tensor, freqs: Tensor, cache: KVCache, position: int) -> Tensor:
-        """`forward` for one new token `x` `(B, 1, dim)` at `position`: the same arithmetic,
-        with heads laid out `(B, heads, head_dim)` so that no transpose is needed."""
-        B, H, KV = x.shape[0], self.n_head, self.n_kv_head
-        qkv = matvec(x, self.wqkv.weight).view(B, H + 2 * KV, self.head_dim)
-        qk = apply_rope(qkv[:, : H + KV], freqs)
-        k, v = cache.update(position, qk[:, H:].unsqueeze(2), qkv[:, H + KV :].unsqueeze(2))
-        # As in forward: each query group is rows against its shared key/value head.
-        group = qk[:, :H].view(B, KV, H // KV, self.head_dim)
-        y = F.scaled_dot_product_attention(group, k, v)  # not always contiguous on a GPU
-        return matvec(y.reshape(B, 1, self.q_dim), self.wo.weight)
+        self.wqkv = Linear(args.dim, self.q_dim + 2 * self.kv_dim, **factory)
+        self.wo = Linear(self.q_dim, args.dim, **factory)
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+    """The projections of SwiGLU (Shazeer 2020), `w2(silu(w1 x) * w3 x)`: `w13` (w1 and w3 in
+    one product) and `w2`. `Block.forward` applies them."""
 
     def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False, **factory)
-        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False, **factory)
+        self.w13 = Linear(args.dim, 2 * args.intermediate_size, **factory)
+        self.w2 = Linear(args.intermediate_size, args.dim, **factory)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
+
+def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Grouped-query attention of queries `q` `(B, T, n_head, hd)` over keys and values
+    `(B, n_kv_head, S, hd)`, the queries being the last T of the S positions: `(B, T, n_head*hd)`.
+    Each key/value head serves n_head // n_kv_head query heads."""
+    B, T, H, hd = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    if T == 1:
+        # One new query sees every cached key. Not is_causal: SDPA aligns that mask top-left,
+        # so a single query would see only key 0. The query heads of one group become rows
+        # against their shared key/value head: no copy of the cache.
+        group = q.view(B, KV, H // KV, hd)
+        return F.scaled_dot_product_attention(group, k, v).reshape(B, 1, H * hd)
+    q = q.transpose(1, 2)  # (B, n_head, T, hd)
+    if T == S:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        # Several new queries after a cached prefix: causal mask aligned bottom-right.
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return y.transpose(1, 2).reshape(B, T, H * hd)
 
 
 class Block(nn.Module):
+    """One decoder layer: attention, then SwiGLU, each after an RMSNorm and added back.
+
+    Its submodules hold the weights and give them their names in a checkpoint; the arithmetic
+    is all in `forward`, which calls none of them: a cached step runs each layer's ops once on
+    one position, and on a CPU a module call costs as much as a small op
+    (`benchmarks/decode_step.py`)."""
+
     def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, **factory)
@@ -265,16 +323,19 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args, **factory)
 
     def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs, cache, start)
-        return x + self.feed_forward(self.ffn_norm(x))
-
-    def decode(self, x: Tensor, freqs: Tensor, cache: KVCache, position: int) -> Tensor:
-        """`forward` for one new token through the cache, calling no modules (see
-        `Transformer.decode`)."""
-        x = x + self.attention.decode(rms_norm(x, self.attention_norm), freqs, cache, position)
-        ff = self.feed_forward
-        gate, up = matvec(rms_norm(x, self.ffn_norm), ff.w13.weight).chunk(2, dim=-1)
-        return x + matvec(F.silu(gate) * up, ff.w2.weight)
+        attn, ff = self.attention, self.feed_forward
+        B, T, _ = x.shape
+        H, KV, hd = attn.n_head, attn.n_kv_head, attn.head_dim
+        qkv = project(rms_norm(x, self.attention_norm), attn.wqkv).view(B, T, H + 2 * KV, hd)
+        # Queries and keys are rotated together: one RoPE over n_head + n_kv_head heads.
+        qk = apply_rope(qkv[:, :, : H + KV], freqs)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        v = qkv[:, :, H + KV :].transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
+        x = x + project(attend(qk[:, :, :H], k, v), attn.wo)
+        gate, up = project(rms_norm(x, self.ffn_norm), ff.w13).chunk(2, dim=-1)
+        return x + project(F.silu(gate) * up, ff.w2)
 
 
 class Transformer(nn.Module):
@@ -294,10 +355,12 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, **factory)
         self.layers = nn.ModuleList(Block(args, **factory) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps, **factory)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False, **factory)
+        self.output = Linear(args.dim, args.vocab_size, **factory)
         freqs = rope_table(args.max_positions, args.head_dim, args.rope_base).to(device)
         self.register_buffer("rope", freqs, persistent=False)
         self.caches: list[KVCache] | None = None
+        self.matvec_timings: list[MatvecTiming] = []
+        """What `choose_matvec` measured when the weights were laid out for a CPU, if they were."""
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -314,20 +377,24 @@ class Transformer(nn.Module):
             )
             p.normal_(0.0, std, generator=gen)
 
-    def store_weights_transposed(self) -> None:
-        """Keep every linear weight in memory as `(in_features, out_features)`, still seen as
-        `(out_features, in_features)` (a transposed view): values, shapes and the state dict's
-        keys are unchanged, though its tensors are no longer contiguous (call `.contiguous()`
-        on them before saving with safetensors).
+    def store_weights_transposed(self) -> list[MatvecTiming]:
+        """Lay the linear weights out for a CPU's one-token step, where each weight multiplies
+        one vector: every weight kept in memory as `(in_features, out_features)`, still seen as
+        `(out_features, in_features)` (a transposed view), then each multiplied by the kernel
+        `choose_matvec` measures fastest for its shape here. Returns those timings.
 
-        For a CPU, where a one-token step multiplies each weight by one vector: MKL streams this
-        layout faster, and `matvec` faster still (`benchmarks/decode_step.py`). Prefill and the
-        uncached loop, which multiply matrices, run as fast as before.
+        Values, shapes and the state dict's keys are unchanged, though its tensors are no longer
+        contiguous (call `.contiguous()` on them before saving with safetensors). MKL streams this
+        layout faster than the one as trained, on AVX-512 and AVX2 CPUs alike; prefill and the
+        uncached loop, which multiply matrices, run as fast as before
+        (`benchmarks/decode_step.py`).
         """
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 w = module.weight
                 module.weight = nn.Parameter(w.detach().t().contiguous().t(), w.requires_grad)
+        self.matvec_timings = choose_matvec(self)
+        return self.matvec_timings
 
     def setup_caches(self, batch: int, max_len: int) -> None:
         """Preallocate one KV cache per layer for `max_len` positions."""
@@ -375,31 +442,16 @@ class Transformer(nn.Module):
         if use_cache and caches is None:
             raise RuntimeError("setup_caches() first")
         freqs = self._rotations(start, idx.shape[1])
-        x = self.tok_embeddings(idx)  # (B, T, dim)
+        x = F.embedding(idx, self.tok_embeddings.weight)  # (B, T, dim)
         for i, layer in enumerate(self.layers):
             x = layer(x, freqs, caches[i] if caches else None, start)
-        return self.output(self.norm(x))
+        return project(rms_norm(x, self.norm), self.output)
 
     def decode(self, token: Tensor, position: int) -> Tensor:
-        """Logits `(B, vocab)` of one token `(B, 1)` at `position`, writing its keys and values
-        into the KV caches: `forward(token, position, use_cache=True)`, faster.
-
-        A one-token step of a small model on a CPU is bound by dispatch, not arithmetic: besides
-        its matrix-vector products, `forward` makes a module call for every norm, projection and
-        block (57 a step for the tiny model). This path calls no modules, transposes no heads,
-        and multiplies through `matvec`. With the weights as trained it gives `forward`'s
-        results bit for bit (a test checks); with them stored transposed on a CPU, as the engine
-        runs, they differ by rounding, and the step is about a third shorter
-        (`benchmarks/decode_step.py`).
-        """
+        """Logits `(B, vocab)` of one token `(B, 1)` at `position`, its keys and values written
+        into the KV caches: the cached loop's step, `forward(token, position, use_cache=True)`."""
         if token.shape[1] != 1:
             raise ValueError(
                 f"decode takes one token per sequence, (B, 1), not {tuple(token.shape)}"
             )
-        if self.caches is None:
-            raise RuntimeError("setup_caches() first")
-        freqs = self._rotations(position, 1)
-        x = F.embedding(token, self.tok_embeddings.weight)  # (B, 1, dim)
-        for layer, cache in zip(self.layers, self.caches, strict=True):
-            x = layer.decode(x, freqs, cache, position)
-        return matvec(rms_norm(x, self.norm), self.output.weight)[:, -1]
+        return self(token, position, use_cache=True)[:, -1]

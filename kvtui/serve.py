@@ -36,7 +36,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvtui.cli import DEFAULT_APP_TOKENS, UsageError, _add_run_options, positive_int
-from kvtui.engine.protocol import EngineError
+from kvtui.engine.process import CHILD_CWD, absolute_paths
+from kvtui.engine.protocol import EngineError, RunSettings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -103,14 +104,20 @@ class _Recorder:
 
 
 def app_argv(args: argparse.Namespace) -> list[str]:
-    """`python -m kvtui` with every app option that differs from its default, as given."""
+    """`python -I -m kvtui` with every app option that differs from its default, as given; paths
+    made absolute, since each tab's app runs isolated (`-I`: no current directory on its import
+    path, no PYTHON* variables) from the file system's root."""
     recorder = _Recorder()
     _add_run_options(recorder, app=True)
-    argv = [sys.executable, "-m", "kvtui"]
+    argv = [sys.executable, "-I", "-m", "kvtui"]
     for action in recorder.actions:
         value = getattr(args, action.dest)
         if value == action.default:
             continue
+        if action.dest == "engine":
+            value = absolute_paths(RunSettings(engine=value)).engine
+        elif action.dest == "model":
+            value = os.path.abspath(os.path.expanduser(value))
         flag = action.option_strings[0]
         argv += [flag] if action.nargs == 0 else [flag, str(value)]
     return argv
@@ -323,6 +330,7 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=self._build_environment(width=width, height=height),
+                cwd=CHILD_CWD,
                 start_new_session=True,
             )
             self._stdin = process.stdin

@@ -137,12 +137,25 @@ def test_each_tab_runs_the_app_with_the_options_given(made, capsys):
     code, _, _ = run(capsys, "serve", "--port", str(free_port()), "--max-sessions", "1", *options)
     assert code == 0
     argv = shlex.split(made[0].command)
-    assert argv == [sys.executable, "-m", "kvtui", *options]  # kvtui's order, no defaults
-    served = build_parser().parse_args(argv[3:])
+    # isolated from the server's directory, in kvtui's order, no defaults
+    assert argv == [sys.executable, "-I", "-m", "kvtui", *options]
+    served = build_parser().parse_args(argv[4:])
     given = build_parser().parse_args(["serve", *options])
     for name, value in vars(served).items():
         if name != "command":
             assert getattr(given, name) == value, name
+
+
+def test_a_relative_replay_is_served_by_its_absolute_path(made, capsys, tmp_path, monkeypatch):
+    """Each tab's app runs from the file system's root, so a relative path must not depend on
+    the server's directory."""
+    record = tmp_path / "run.jsonl"
+    run(capsys, "bench", "--engine", ENGINE, "--tokens", "4", "--record", str(record))
+    monkeypatch.chdir(tmp_path)
+    code, _, _ = run(capsys, "serve", "--port", str(free_port()), "--engine", "replay:run.jsonl")
+    assert code == 0
+    argv = shlex.split(made[-1].command)
+    assert argv[argv.index("--engine") + 1] == f"replay:{record}"
 
 
 def test_every_app_option_is_an_option_of_serve():
