@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.decoder import Linear, ModelArgs, Transformer, project  # noqa: E402
+from kvtui.decoder import Linear, ModelArgs, Transformer  # noqa: E402
 from kvtui.engine.protocol import DEFAULT_PROMPT  # noqa: E402
 from kvtui.engine.torch_engine import (  # noqa: E402
     TINY_ARGS,
@@ -175,12 +175,12 @@ def run_floor(model: Transformer, prompt: torch.Tensor, n: int, cached: bool) ->
     """The weights floor: n steps of nothing but one step's matrix-vector products (every
     linear layer of the model, in order, on a one-token input, through the kernel our step uses).
     Any fp32 implementation of this shape reads these bytes every step."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    inputs = {lin.in_features: torch.randn(1, 1, lin.in_features) for lin in linears}
+    linears = [(m.bound(), m.in_features) for m in model.modules() if isinstance(m, Linear)]
+    inputs = {size: torch.randn(1, 1, size) for _, size in linears}
     t0 = time.perf_counter()
     for _ in range(n):
-        for lin in linears:
-            project(inputs[lin.in_features], lin)
+        for product, size in linears:
+            product(inputs[size])
     return time.perf_counter() - t0, []
 
 

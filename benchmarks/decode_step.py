@@ -1,16 +1,18 @@
-"""Where a cached step's time goes on the CPU: the weights' layout and the one-vector kernel.
+"""Where a cached step's time goes on the CPU: the step's path, the weights' layout, the kernel.
 
-The cached loop's step is `forward` on one token (`Transformer.decode`); the only CPU-specific
-choice in it is how each linear layer multiplies one vector, which `choose_matvec` makes by timing
-when the engine loads the model (`ready_to_decode` -> `store_weights_transposed`). This script
-shows that choice and what it is worth, on this machine, in three tables:
+The cached loop's step is `Transformer.decode`: `forward` on one token, bit for bit, written out
+flat on weights gathered once per run. The weights are stored transposed on a CPU, and each linear
+layer multiplies one vector by the kernel `choose_matvec` times fastest when the engine loads the
+model (`ready_to_decode` -> `store_weights_transposed`). This script shows each of those choices
+and what it is worth, on this machine, in three tables:
 
 1. `choose_matvec` as the engine ran it on loading: per weight shape, each kernel's best time.
 2. Whole cached steps of the shipped model at position `--position` (the caches rewound before
-   each), with the weights as trained (`F.linear`) and stored transposed with each kernel.
+   each): `forward(token, position, use_cache=True)` (the module path) and `decode`, on the
+   engine's layout and kernels; then `decode` with the weights as trained, and with each kernel.
 3. The step's matrix-vector products alone: each of the tiny model's 25 weights (13.6 MB of fp32)
    times one vector, in the model's order, several ways (and the weight bytes streamed per
-   second), and once more through a module call per weight (`Block.forward` makes none).
+   second), once more through a module call per weight, as `forward` makes them.
 
 Each way is timed over `--steps` calls per round, `--rounds` rounds, the ways taking turns;
 median and best, ms per step. The machine may be shared: compare ways within one run.
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.decoder import MATVEC_KERNELS, Linear, Transformer, project, row_sum  # noqa: E402
+from kvtui.decoder import MATVEC_KERNELS, Linear, Transformer, row_sum  # noqa: E402
 from kvtui.engine.torch_engine import load_tiny  # noqa: E402
 
 
@@ -69,14 +71,17 @@ def with_kernel(model: Transformer, kernel) -> Transformer:
     return model
 
 
-def one_step(model: Transformer, position: int):
+def one_step(model: Transformer, position: int, use_forward: bool = False):
     """One cached step at `position`, again and again: the caches are rewound before each."""
     token = torch.tensor([[ord("e")]])
 
     def run() -> None:
         for cache in model.caches:
             cache.length = position
-        model.decode(token, position)
+        if use_forward:
+            model(token, start=position, use_cache=True)
+        else:
+            model.decode(token, position)
 
     return run
 
@@ -114,11 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, kernel in MATVEC_KERNELS.items():
         models[f"weights stored transposed, {name}"] = with_kernel(engine, kernel)
     prompt = torch.randint(0, 256, (1, args.position), generator=torch.Generator().manual_seed(0))
-    for m in models.values():
+    for m in (engine, *models.values()):
         m.setup_caches(1, args.position + 1)
         m(prompt, start=0, use_cache=True)
     steps = interleaved(
-        {name: one_step(m, args.position) for name, m in models.items()}, args.rounds, args.steps
+        {
+            "forward (module path), the engine's weights": one_step(engine, args.position, True),
+            "decode (the engine's step), the engine's weights": one_step(engine, args.position),
+            **{f"decode, {name}": one_step(m, args.position) for name, m in models.items()},
+        },
+        args.rounds,
+        args.steps,
     )
 
     linears = [m for m in engine.modules() if isinstance(m, Linear)]
@@ -126,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [w.contiguous() for w in transposed]  # the same values, laid out as trained
     vectors = {w.shape[1]: torch.randn(1, 1, w.shape[1]) for w in rows}
     weight_bytes = sum(w.numel() * w.element_size() for w in rows)
+
+    bound = [(m, m.bound()) for m in linears]
 
     def on(weights, kernel):
         return lambda: [kernel(vectors[w.shape[1]], w) for w in weights]
@@ -138,10 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         "F.linear, weights stored transposed": on(transposed, F.linear),
         "torch.mv, weights stored transposed": on(transposed, mv),
         "row_sum (FBGEMM), weights stored transposed": on(transposed, row_sum),
-        "the engine's choice (project)": lambda: [
-            project(vectors[m.in_features], m) for m in linears
+        "the engine's choice, as decode calls it (Linear.bound)": lambda: [
+            f(vectors[m.in_features]) for m, f in bound
         ],
-        "the same, as module calls (Linear.__call__)": lambda: [
+        "the same, as module calls (as forward makes them)": lambda: [
             m(vectors[m.in_features]) for m in linears
         ],
     }

@@ -5,11 +5,15 @@ embeddings, a SwiGLU MLP and grouped-query attention with fewer key/value heads 
 that its KV cache has the same structure as the catalog models' and `kvtui.sim.memory` applies to it
 unchanged. The vocabulary is bytes (256 values): no tokenizer file.
 
-One `forward(idx, start, use_cache)` serves training (a whole sequence, causal), prefill, the
-uncached loop and the cached loop's one-token step (`decode`, which writes the new keys and values
-into a `KVCache` per layer at their positions). The one CPU-specific piece is how a linear layer
-multiplies a single vector (`Linear`, `choose_matvec`): by the kernel measured fastest on the
-machine that runs, on the model's own weights.
+The model is `forward(idx, start, use_cache)`: training (a whole sequence, causal), prefill and the
+uncached loop run it, and with `use_cache` each layer writes its new keys and values into its
+`KVCache`. Two bounded pieces make the cached loop's one-token step cheap on a CPU, each measured
+by `benchmarks/decode_step.py`:
+
+- `Transformer.decode`, the step itself: `forward` on one token, bit for bit (a test checks), in
+  the fewest Python steps: on a CPU that step is bound by per-call overhead, not arithmetic;
+- how a linear layer multiplies one vector (`Linear.matvec`): by whichever kernel `choose_matvec`
+  times fastest on the machine that runs, on the model's own weights.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -71,12 +76,14 @@ class ModelArgs:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-class KVCache(nn.Module):
+class KVCache:
     """Preallocated keys and values of one layer, and how many positions are filled.
 
     Buffers are `(batch, n_kv_head, max_len, head_dim)`; their bytes are exactly
     `2 x batch x n_kv_head x max_len x head_dim x element size`: kvtui.sim's formula, one layer.
     `length` is an integer that `update` advances: fullness is never inferred from the buffers.
+    A plain object, not an `nn.Module`: the model keeps its caches in a list of its own, made on
+    its weights' device and dtype, and a module's attribute hooks would cost every step.
     """
 
     def __init__(
@@ -89,10 +96,9 @@ class KVCache(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        super().__init__()
         shape = (batch, n_kv_head, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
         self.bytes_per_position = self.allocated_bytes // max_len
@@ -127,13 +133,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, **factory))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self)
-
-
-def rms_norm(x: Tensor, norm: RMSNorm) -> Tensor:
-    """`norm(x)` without a module call: `x * rsqrt(mean(x^2) + eps) * weight`."""
-    weight = norm.weight
-    return F.rms_norm(x, weight.shape, weight, norm.eps)
+        """`x * rsqrt(mean(x^2) + eps) * weight`, in one call."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_table(n_positions: int, head_dim: int, base: float) -> Tensor:
@@ -198,12 +199,12 @@ class Linear(nn.Linear):
         self.matvec: Callable[[Tensor, Tensor], Tensor] = F.linear
 
     def forward(self, x: Tensor) -> Tensor:
-        return project(x, self)
+        return self.matvec(x, self.weight)
 
-
-def project(x: Tensor, linear: Linear) -> Tensor:
-    """`linear(x)` without a module call: `x @ weight.T` through the layer's `matvec`."""
-    return linear.matvec(x, linear.weight)
+    def bound(self) -> Callable[[Tensor], Tensor]:
+        """`self` as a plain function of `x`: its kernel with its weight bound, for
+        `Transformer.decode` (a module call costs more than a small op on a CPU)."""
+        return functools.partial(self.matvec, weight=self.weight)
 
 
 @dataclass(frozen=True)
@@ -262,10 +263,19 @@ def choose_matvec(
     return timings
 
 
-class Attention(nn.Module):
-    """The projections of grouped-query attention: `wqkv` (queries, keys and values in one
-    product) and `wo`. `Block.forward` applies them."""
+def attend_one(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Attention of one new query per sequence, `q` `(B, n_head, head_dim)`, over every cached
+    key and value `(B, n_kv_head, S, head_dim)`: `(B, 1, n_head * head_dim)`.
 
+    Not is_causal: SDPA aligns that mask top-left, so a single query would see only key 0. Each
+    key/value head serves n_head // n_kv_head query heads, which become rows against it: no copy
+    of the cache."""
+    B, H, hd = q.shape
+    group = q.view(B, k.shape[1], -1, hd)  # (B, n_kv_head, n_head // n_kv_head, head_dim)
+    return F.scaled_dot_product_attention(group, k, v).reshape(B, 1, H * hd)
+
+
+class Attention(nn.Module):
     def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = args.n_head, args.n_kv_head, args.head_dim
@@ -274,47 +284,44 @@ class Attention(nn.Module):
         self.wqkv = Linear(args.dim, self.q_dim + 2 * self.kv_dim, **factory)
         self.wo = Linear(self.q_dim, args.dim, **factory)
 
+    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
+        B, T, _ = x.shape
+        H, KV, hd = self.n_head, self.n_kv_head, self.head_dim
+        qkv = self.wqkv(x).view(B, T, H + 2 * KV, hd)
+        # Queries and keys are rotated together: one RoPE over n_head + n_kv_head heads.
+        qk = apply_rope(qkv[:, :, : H + KV], freqs)
+        k = qk[:, :, H:].transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        v = qkv[:, :, H + KV :].transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
+        S = k.shape[2]
+        # Grouped-query attention: each key/value head serves n_head // n_kv_head query heads.
+        if T == 1:
+            return self.wo(attend_one(qk[:, 0, :H], k, v))
+        q = qk[:, :, :H].transpose(1, 2)  # (B, n_head, T, head_dim)
+        if T == S:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            # Several new queries after a cached prefix: causal mask aligned bottom-right.
+            mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.q_dim))
+
 
 class FeedForward(nn.Module):
-    """The projections of SwiGLU (Shazeer 2020), `w2(silu(w1 x) * w3 x)`: `w13` (w1 and w3 in
-    one product) and `w2`. `Block.forward` applies them."""
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
 
     def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
         self.w13 = Linear(args.dim, 2 * args.intermediate_size, **factory)
         self.w2 = Linear(args.intermediate_size, args.dim, **factory)
 
-
-def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Grouped-query attention of queries `q` `(B, T, n_head, hd)` over keys and values
-    `(B, n_kv_head, S, hd)`, the queries being the last T of the S positions: `(B, T, n_head*hd)`.
-    Each key/value head serves n_head // n_kv_head query heads."""
-    B, T, H, hd = q.shape
-    KV, S = k.shape[1], k.shape[2]
-    if T == 1:
-        # One new query sees every cached key. Not is_causal: SDPA aligns that mask top-left,
-        # so a single query would see only key 0. The query heads of one group become rows
-        # against their shared key/value head: no copy of the cache.
-        group = q.view(B, KV, H // KV, hd)
-        return F.scaled_dot_product_attention(group, k, v).reshape(B, 1, H * hd)
-    q = q.transpose(1, 2)  # (B, n_head, T, hd)
-    if T == S:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    else:
-        # Several new queries after a cached prefix: causal mask aligned bottom-right.
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    return y.transpose(1, 2).reshape(B, T, H * hd)
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
-    """One decoder layer: attention, then SwiGLU, each after an RMSNorm and added back.
-
-    Its submodules hold the weights and give them their names in a checkpoint; the arithmetic
-    is all in `forward`, which calls none of them: a cached step runs each layer's ops once on
-    one position, and on a CPU a module call costs as much as a small op
-    (`benchmarks/decode_step.py`)."""
-
     def __init__(self, args: ModelArgs, **factory: object) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, **factory)
@@ -323,19 +330,32 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args, **factory)
 
     def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs, cache, start)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def step_weights(self) -> StepWeights:
+        """This layer as `Transformer.decode` reads it."""
         attn, ff = self.attention, self.feed_forward
-        B, T, _ = x.shape
-        H, KV, hd = attn.n_head, attn.n_kv_head, attn.head_dim
-        qkv = project(rms_norm(x, self.attention_norm), attn.wqkv).view(B, T, H + 2 * KV, hd)
-        # Queries and keys are rotated together: one RoPE over n_head + n_kv_head heads.
-        qk = apply_rope(qkv[:, :, : H + KV], freqs)
-        k = qk[:, :, H:].transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        v = qkv[:, :, H + KV :].transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
-        x = x + project(attend(qk[:, :, :H], k, v), attn.wo)
-        gate, up = project(rms_norm(x, self.ffn_norm), ff.w13).chunk(2, dim=-1)
-        return x + project(F.silu(gate) * up, ff.w2)
+        return StepWeights(
+            self.attention_norm.weight,
+            attn.wqkv.bound(),
+            attn.wo.bound(),
+            self.ffn_norm.weight,
+            ff.w13.bound(),
+            ff.w2.bound(),
+        )
+
+
+class StepWeights(NamedTuple):
+    """One layer's weights as the one-token step reads them, gathered by `setup_caches`: on a
+    CPU an `nn.Module` attribute costs about a microsecond, and a step would read a hundred."""
+
+    attention_norm: Tensor
+    wqkv: Callable[[Tensor], Tensor]
+    wo: Callable[[Tensor], Tensor]
+    ffn_norm: Tensor
+    w13: Callable[[Tensor], Tensor]
+    w2: Callable[[Tensor], Tensor]
 
 
 class Transformer(nn.Module):
@@ -359,6 +379,9 @@ class Transformer(nn.Module):
         freqs = rope_table(args.max_positions, args.head_dim, args.rope_base).to(device)
         self.register_buffer("rope", freqs, persistent=False)
         self.caches: list[KVCache] | None = None
+        self._step: tuple[list[StepWeights], Tensor, Callable[[Tensor], Tensor]] | None = None
+        """Each layer's `StepWeights`, the final norm's weight and the output projection, for
+        `decode`: gathered with the caches, dropped with them."""
         self.matvec_timings: list[MatvecTiming] = []
         """What `choose_matvec` measured when the weights were laid out for a CPU, if they were."""
 
@@ -397,7 +420,8 @@ class Transformer(nn.Module):
         return self.matvec_timings
 
     def setup_caches(self, batch: int, max_len: int) -> None:
-        """Preallocate one KV cache per layer for `max_len` positions."""
+        """Preallocate one KV cache per layer for `max_len` positions, and gather the weights
+        (and kernels) as they are now for `decode`."""
         if max_len > self.args.max_positions:
             raise ValueError(f"{max_len} positions is past the model's {self.args.max_positions}")
         p = self.output.weight
@@ -412,9 +436,12 @@ class Transformer(nn.Module):
             )
             for _ in self.layers
         ]
+        layers = [layer.step_weights() for layer in self.layers]
+        self._step = (layers, self.norm.weight, self.output.bound())
 
     def drop_caches(self) -> None:
         self.caches = None
+        self._step = None
 
     @property
     def kv_bytes_allocated(self) -> int:
@@ -442,16 +469,40 @@ class Transformer(nn.Module):
         if use_cache and caches is None:
             raise RuntimeError("setup_caches() first")
         freqs = self._rotations(start, idx.shape[1])
-        x = F.embedding(idx, self.tok_embeddings.weight)  # (B, T, dim)
+        x = self.tok_embeddings(idx)  # (B, T, dim)
         for i, layer in enumerate(self.layers):
             x = layer(x, freqs, caches[i] if caches else None, start)
-        return project(rms_norm(x, self.norm), self.output)
+        return self.output(self.norm(x))
 
     def decode(self, token: Tensor, position: int) -> Tensor:
         """Logits `(B, vocab)` of one token `(B, 1)` at `position`, its keys and values written
-        into the KV caches: the cached loop's step, `forward(token, position, use_cache=True)`."""
+        into the KV caches: the cached loop's step. `forward(token, position, use_cache=True)`
+        bit for bit (a test checks), written out flat.
+
+        On a CPU the step of a small model is bound by per-call overhead, not arithmetic:
+        `forward` makes ~60 module calls and ~100 module attribute lookups besides its ~200 ops.
+        Here the same ops run on the weights `setup_caches` gathered, with the heads kept as
+        `(B, heads, head_dim)` (no position axis, no transposes); `benchmarks/decode_step.py`
+        times the two.
+        """
         if token.shape[1] != 1:
             raise ValueError(
                 f"decode takes one token per sequence, (B, 1), not {tuple(token.shape)}"
             )
-        return self(token, position, use_cache=True)[:, -1]
+        if self._step is None or self.caches is None:
+            raise RuntimeError("setup_caches() first")
+        a = self.args
+        H, KV, hd, dim, eps = a.n_head, a.n_kv_head, a.head_dim, (a.dim,), a.norm_eps
+        B = token.shape[0]
+        layers, norm, output = self._step
+        freqs = self._rotations(position, 1)
+        x = F.embedding(token, self.tok_embeddings.weight)  # (B, 1, dim)
+        for w, cache in zip(layers, self.caches, strict=True):
+            qkv = w.wqkv(F.rms_norm(x, dim, w.attention_norm, eps)).view(B, H + 2 * KV, hd)
+            qk = apply_rope(qkv[:, : H + KV], freqs)  # (B, n_head + n_kv_head, head_dim)
+            # (B, n_kv_head, position + 1, head_dim)
+            k, v = cache.update(position, qk[:, H:, None], qkv[:, H + KV :, None])
+            x = x + w.wo(attend_one(qk[:, :H], k, v))
+            gate, up = w.w13(F.rms_norm(x, dim, w.ffn_norm, eps)).chunk(2, dim=-1)
+            x = x + w.w2(F.silu(gate) * up)
+        return output(F.rms_norm(x, dim, norm, eps))[:, -1]

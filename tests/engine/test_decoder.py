@@ -72,18 +72,41 @@ def _decode_after_prefill(model: Transformer, ids: torch.Tensor, prefix: int, on
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_the_one_token_step_is_forward_with_the_cache_bit_for_bit(small_model, batch):
-    """`decode`, the cached loop's step, is `forward` on one token: the same logits and the same
-    keys and values written, exactly. There is no second copy of the model to drift from it."""
+def test_the_one_token_step_is_forward_with_the_cache_bit_for_bit(either_layout, batch):
+    """`decode`, the cached loop's hand-tuned step, is `forward` on one token: the same logits
+    and the same keys and values written, exactly, whatever the layout and the kernel."""
     ids = torch.randint(0, 256, (batch, 50), generator=torch.Generator().manual_seed(3))
-    fast, fast_caches = _decode_after_prefill(small_model, ids, 7, lambda m, t, i: m.decode(t, i))
+    model = either_layout
+    fast, fast_caches = _decode_after_prefill(model, ids, 7, lambda m, t, i: m.decode(t, i))
     slow, slow_caches = _decode_after_prefill(
-        small_model, ids, 7, lambda m, t, i: m(t, start=i, use_cache=True)[:, -1]
+        model, ids, 7, lambda m, t, i: m(t, start=i, use_cache=True)[:, -1]
     )
     assert fast.shape == (43, batch, 256)
     assert torch.equal(fast, slow)
     for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_the_one_token_step_reads_the_weights_and_kernels_set_up_with_the_caches(small_model):
+    """`setup_caches` gathers what `decode` multiplies by; `drop_caches` lets it go."""
+    token = torch.zeros(1, 1, dtype=torch.long)
+    seen = []
+
+    def kernel(x, weight):
+        seen.append(weight)
+        return F.linear(x, weight)
+
+    for module in small_model.modules():
+        if isinstance(module, Linear):
+            module.matvec = kernel
+    small_model.setup_caches(1, 4)
+    with torch.inference_mode():
+        small_model.decode(token, 0)
+    linears = [m for m in small_model.modules() if isinstance(m, Linear)]
+    assert [id(w) for w in seen] == [id(m.weight) for m in linears]
+    small_model.drop_caches()
+    with pytest.raises(RuntimeError, match="setup_caches"):
+        small_model.decode(token, 0)
 
 
 @pytest.mark.parametrize("batch", [1, 2])
