@@ -235,7 +235,7 @@ def choose_matvec(
     Per shape, each kernel multiplies one vector by the model's weights of that shape in turn
     (as many as fit in `bytes_per_pass`, so that they stream from memory as in a step rather
     than sit in a core's cache), `rounds` times after one round to warm up, the kernels taking
-    turns; each keeps its best time. Some 30 ms for the tiny model. Which kernel wins depends
+    turns; each keeps its best time. Some 30-40 ms for the tiny model. Which kernel wins depends
     on the CPU (FBGEMM's row sum won on an AVX-512 EPYC, MKL on an AVX2 one), so it is measured
     where the model runs.
     """

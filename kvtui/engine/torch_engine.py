@@ -301,7 +301,8 @@ def trained_context(metadata: dict) -> int | None:
 
 
 def ready_to_decode(model: Transformer) -> Transformer:
-    """In eval mode and, on a CPU, with its weights laid out for matrix-vector products."""
+    """In eval mode and, on a CPU, with its weights laid out for matrix-vector products and each
+    layer's one-vector kernel chosen by timing them on this machine (`choose_matvec`)."""
     if model.output.weight.device.type == "cpu":
         model.store_weights_transposed()
     return model.eval()
