@@ -12,6 +12,7 @@ from textual.widgets import Footer, Static
 
 from kvtui.format import format_count
 from kvtui.screens.live import LiveRun
+from kvtui.widgets.chart import Chart
 from kvtui.widgets.header import RunHeader
 from kvtui.widgets.too_small import TooSmall, too_small
 
@@ -70,9 +71,12 @@ class LessonScreen(Screen):
         self._dirty = True
 
     def redraw_now(self) -> None:
-        """Draw the run now rather than at the next tick (when this screen is shown)."""
+        """Draw the run now rather than at the next tick (when this screen is shown), charts
+        included."""
         self.mark_dirty()
         self._tick()
+        for chart in self.query(Chart):
+            chart.draw_now()
 
     def _tick(self) -> None:
         if not self.is_current or self.has_class("-too-small"):

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from textual.color import Color
+from textual.timer import Timer
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 from textual_plotext.plot import Plot
@@ -120,6 +122,9 @@ def step_line(xs: Sequence[int], ys: Sequence[float]) -> tuple[list[float], list
     return sx, sy
 
 
+CHART_REDRAWS_PER_SECOND = 4
+"""How often a chart may replot (the cards and streams redraw more often)."""
+
 GLYPHS = {"formula": "•", "marker": "│"}
 """How a series shows in a legend, where not as a line ("━")."""
 
@@ -162,6 +167,8 @@ class Chart(PlotextPlot):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self._draw: Callable[[Plot, int], None] | None = None
+        self._drawn_at = -math.inf
+        self._pending: Timer | None = None
 
     def colour(self, series: str) -> RGB:
         """The RGB of a kind of series (`SERIES`) in the current theme, readable on its
@@ -180,16 +187,41 @@ class Chart(PlotextPlot):
         return max(16, 2 * max(self.size.width - 12, 8))
 
     def draw(self, draw: Callable[[Plot, int], None]) -> None:
-        """Replace the chart's contents with what `draw` plots, and refresh this widget only."""
+        """Replace the chart's contents with what `draw` plots, and refresh this widget only.
+
+        At most CHART_REDRAWS_PER_SECOND times a second: a plot is the dearest part of a frame,
+        and a key pressed while one is drawn waits for it. A call that comes sooner is drawn
+        when the interval is up (the latest `draw` wins), so the last state is never lost."""
         self._draw = draw
+        wait = self._drawn_at + 1 / CHART_REDRAWS_PER_SECOND - time.monotonic()
+        if wait > 0:
+            if self._pending is None:
+                self._pending = self.set_timer(wait, self._draw_pending)
+            return
+        self._replot()
+
+    def _draw_pending(self) -> None:
+        self._pending = None
+        self._replot()
+
+    def draw_now(self) -> None:
+        """Replot now, whatever the interval (a screen shown, a test reading it)."""
+        if self._pending is not None:
+            self._pending.stop()
+            self._pending = None
+        self._replot()
+
+    def _replot(self) -> None:
+        if self._draw is None:
+            return
+        self._drawn_at = time.monotonic()
         self.plt.clear_data()
         self.plt.clear_figure()
-        draw(self.plt, self.points)
+        self._draw(self.plt, self.points)
         self.refresh()
 
     def on_resize(self) -> None:
-        if self._draw is not None:
-            self.draw(self._draw)
+        self._replot()
 
 
 def nice_ticks(top: float, count: int = 4, bottom: float = 0.0) -> list[float]:

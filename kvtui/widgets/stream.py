@@ -63,7 +63,12 @@ class TokenStream(Widget):
                 self.placeholder, style=self.get_component_rich_style("stream--placeholder")
             )
         head = self.text[: len(self.text) - len(self.current)] if self.current else self.text
-        body = Text(printable(self.prompt), style=self.get_component_rich_style("stream--prompt"))
+        prompt = self.prompt
+        # Only the tail can show: wrap no more than twice what the panel holds.
+        room = 2 * max(1, self.content_size.width) * max(1, self.content_size.height)
+        if len(head) > room:
+            head, prompt = head[-room:], ""
+        body = Text(printable(prompt), style=self.get_component_rich_style("stream--prompt"))
         body.append(printable(head))
         if self.current:
             body.append(
