@@ -14,10 +14,12 @@ from kvtui.app import make_app
 from kvtui.engine.protocol import RunSettings
 
 
-async def shoot(settings: RunSettings, size: tuple[int, int], out: Path, length: int) -> None:
-    app = make_app(settings, screen=1, length=length)
+async def shoot(settings: RunSettings, size: tuple[int, int], out: Path) -> None:
+    app = make_app(settings, screen=1)
     async with app.run_test(size=size) as pilot:
-        while app.live.state not in ("done", "failed"):
+        for _ in range(600):  # at most five minutes
+            if app.live.state in ("done", "failed"):
+                break
             await asyncio.sleep(0.5)
         await pilot.pause(0.5)
         for screen in ("1", "2", "3"):
@@ -36,14 +38,16 @@ def main() -> int:
     )
     parser.add_argument("--engine", default="tiny")
     parser.add_argument("--tokens", type=int, default=160)
-    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--lesson", action="store_true", help="a one-token prompt")
     parser.add_argument("--size", default="120x36")
     parser.add_argument("--out", type=Path, default=Path("docs"))
     args = parser.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
     args.out.mkdir(exist_ok=True)
-    settings = RunSettings(engine=args.engine, tokens=args.tokens, seed=1, replay_speed=1.0)
-    asyncio.run(shoot(settings, (width, height), args.out, args.length))
+    settings = RunSettings(
+        engine=args.engine, tokens=args.tokens, seed=1, replay_speed=1.0, lesson=args.lesson
+    )
+    asyncio.run(shoot(settings, (width, height), args.out))
     return 0
 
 
