@@ -15,6 +15,7 @@ Anything an engine or a file says is shown as text, never as markup.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import signal
 import threading
@@ -448,17 +449,32 @@ def make_app(
     return KVApp(config, engine_factory)
 
 
+SIGNAL_GRACE_S = 2.0
+"""After SIGTERM or SIGHUP, how long the app may take to end as `q` does before it is ended."""
+
+
 def run_app(settings: RunSettings, screen: int = 1) -> int:
     """Open the app on a screen, run it, and return its exit code. SIGTERM and SIGHUP end it
     as `q` does: the terminal is restored and the engine's process closed."""
     app = make_app(settings, screen)
 
     def leave(signum: int, frame: object) -> None:
+        code = 128 + signum
+        fallback = threading.Timer(SIGNAL_GRACE_S, hard_exit, args=(code,))
+        fallback.daemon = True
+        fallback.start()
         try:
             loop = asyncio.get_running_loop()  # the handler runs on the app's own thread
         except RuntimeError:
-            raise SystemExit(128 + signum) from None
-        loop.call_soon_threadsafe(app.exit, 128 + signum)
+            raise SystemExit(code) from None
+        loop.call_soon_threadsafe(app.exit, code)
+
+    def hard_exit(code: int) -> None:
+        """The app did not end within the grace after a signal (its terminal is gone, say, and
+        the UI is stuck writing to it): end the engine's process, then this one."""
+        if app.engine is not None:
+            app.engine.close(timeout=0.5)
+        os._exit(code)
 
     previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
