@@ -137,13 +137,13 @@ def _first_and_later(steps: _Series) -> dict:
     per output token after it (the mean of the later steps), and the positions each computes per
     second: prefill reads the whole prompt in one pass, decode one position a step."""
     first, later = steps.seconds[0], steps.seconds[1:]
+    later_seconds = sum(later)
     later_work = steps.work - steps.first_positions
-    tpot = sum(later) / len(later) if later else None
     return {
         "ttft_s": first,
-        "tpot_s": tpot,
+        "tpot_s": later_seconds / len(later) if later else None,
         "first_step_positions_per_s": steps.first_positions / first if first > 0 else None,
-        "later_step_positions_per_s": later_work / sum(later) if later and sum(later) > 0 else None,
+        "later_step_positions_per_s": later_work / later_seconds if later_seconds > 0 else None,
     }
 
 

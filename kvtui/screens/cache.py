@@ -177,13 +177,13 @@ class CacheScreen(WorkScreen):
         )
 
     def _series(self, trace: LoopTrace, points: int, cumulative: bool) -> tuple[list, list]:
-        counted = trace.positions_cumulative if cumulative else None
+        """One loop's positions per step, or their running total, at most about `points`."""
         if cumulative:
-            xs, ys = downsample(range(1, len(counted) + 1), counted, points)
+            totals = trace.positions_cumulative
+            xs, ys = downsample(range(1, len(totals) + 1), totals, points)
         else:
-            xs, ys = downsample(
-                [s + 1 for s in trace.positions.steps], trace.positions.values, points
-            )
+            steps = [s + 1 for s in trace.positions.steps]
+            xs, ys = downsample(steps, trace.positions.values, points)
         return list(xs), list(ys)
 
     def _draw(self, chart_id: str, plt: Plot, points: int, cumulative: bool) -> None:
