@@ -33,6 +33,7 @@ from kvtui.format import (
     format_params,
     format_percent,
     format_ratio,
+    parse_bytes,
     safe_text,
 )
 from kvtui.inputs import argv_text
@@ -109,6 +110,37 @@ def positive_float(text: str) -> float:
 def _shown(text: str) -> str:
     shown = repr(text)
     return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def utilization(text: str) -> float:
+    """An argparse type: a share of a GPU's memory, above 0 and at most 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"expected a number above 0 and at most 1, not {_shown(text)}"
+        )
+    return value
+
+
+MAX_KV_BUDGET = 2**50
+"""The largest `--kv-budget`: 1 PiB, past any machine's memory; the engine takes storage only for
+the blocks a run can use, so a budget larger than memory costs nothing by itself."""
+
+
+def kv_budget(text: str) -> int:
+    """An argparse type: a size in binary units (64MiB, 1.5GiB, 4096), from 1 byte to 1 PiB."""
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)[:120]) from None
+    if not 1 <= value <= MAX_KV_BUDGET:
+        raise argparse.ArgumentTypeError(
+            f"expected a size from 1 B to {format_bytes(MAX_KV_BUDGET)}, not {_shown(text)}"
+        )
+    return value
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
@@ -471,17 +503,6 @@ def _add_budget(subparsers: Any) -> None:
         f"(default 1, at most {MAX_TENSOR_PARALLEL:,}; vLLM's rules on heads apply)",
     )
 
-    def utilization(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not 0 < value <= 1:  # NaN fails too
-            raise argparse.ArgumentTypeError(
-                f"expected a number above 0 and at most 1, not {_shown(text)}"
-            )
-        return value
-
     p.add_argument(
         "--gpu-memory-utilization",
         type=utilization,
@@ -585,6 +606,37 @@ def _add_run_options(group: Any, *, app: bool) -> None:
         help="replay:/sim: pace, 1 = recorded or roofline time, 0 = as fast as possible "
         f"(else {low:g} to {high:g})",
     )
+    from kvtui.sim.memory import (
+        CPU_KV_BUDGET_BYTES,
+        DEFAULT_BLOCK_SIZE,
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        MAX_KV_BLOCK_TOKENS,
+    )
+
+    group.add_argument(
+        "--kv-budget",
+        type=kv_budget,
+        default=None,
+        metavar="SIZE",
+        help="the KV cache's pool, e.g. 2MiB or 1.5GiB: the cached loop stops when it is full "
+        f"(default: on a GPU its share, --gpu-memory-utilization; on a CPU "
+        f"{format_bytes(CPU_KV_BUDGET_BYTES)}; kvtui's own engines, not hf:)",
+    )
+    group.add_argument(
+        "--kv-block",
+        type=int_in(1, MAX_KV_BLOCK_TOKENS),
+        default=DEFAULT_BLOCK_SIZE,
+        metavar="TOKENS",
+        help=f"token slots per block of the KV pool (default {DEFAULT_BLOCK_SIZE}, vLLM's)",
+    )
+    group.add_argument(
+        "--gpu-memory-utilization",
+        type=utilization,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        metavar="U",
+        help="the share of the GPU's memory the engine fills, weights and KV pool "
+        f"(default {DEFAULT_GPU_MEMORY_UTILIZATION:g}, as vLLM's flag)",
+    )
     if app:
         group.add_argument(
             "--screen", type=int, choices=[1, 2, 3], default=1, help="the screen to open first"
@@ -605,6 +657,9 @@ def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSett
         threads=args.threads,
         replay_speed=args.replay_speed,
         lesson=args.lesson,
+        kv_budget_bytes=args.kv_budget,
+        kv_block_tokens=args.kv_block,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 

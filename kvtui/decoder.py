@@ -6,9 +6,10 @@ that its KV cache has the same structure as the catalog models' and `kvtui.sim.m
 unchanged. The vocabulary is bytes (256 values): no tokenizer file.
 
 The model is `forward(idx, start, use_cache)`: training (a whole sequence, causal), prefill and the
-uncached loop run it, and with `use_cache` each layer writes its new keys and values into its
-`KVCache`. Two bounded pieces make the cached loop's one-token step cheap on a CPU, each measured
-by `benchmarks/decode_step.py`:
+uncached loop run it, and with `use_cache` each layer writes its new keys and values into the
+`PagedKVCache`: blocks of token slots taken from a pool as the sequence grows, as vLLM does, so
+that a run can find the pool empty (`KVCacheFull`). Two bounded pieces make the cached loop's
+one-token step cheap on a CPU, each measured by `benchmarks/decode_step.py`:
 
 - `Transformer.decode`, the step itself: `forward` on one token, bit for bit (a test checks), in
   the fewest Python steps: on a CPU that step is bound by per-call overhead, not arithmetic;
@@ -19,6 +20,7 @@ by `benchmarks/decode_step.py`:
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -76,54 +78,171 @@ class ModelArgs:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
-class KVCache:
-    """Preallocated keys and values of one layer, and how many positions are filled.
+class KVCacheFull(Exception):
+    """A step needed a block of the KV pool and none was left."""
 
-    Buffers are `(batch, n_kv_head, max_len, head_dim)`; their bytes are exactly
-    `2 x batch x n_kv_head x max_len x head_dim x element size`: kvtui.sim's formula, one layer.
-    `length` is an integer that `update` advances: fullness is never inferred from the buffers.
-    A plain object, not an `nn.Module`: the model keeps its caches in a list of its own, made on
-    its weights' device and dtype, and a module's attribute hooks would cost every step.
+
+class BlockPool:
+    """Which blocks of a KV pool are free. Taken lowest first, so that the blocks one sequence
+    takes from an empty pool are consecutive and its keys and values read as one view."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+        self._free = list(range(blocks))  # a heap: the lowest free block first
+        self.taken = 0
+
+    @property
+    def free(self) -> int:
+        return self.blocks - self.taken
+
+    def take(self, n: int) -> list[int]:
+        """`n` blocks, lowest first; `KVCacheFull`, taking none, when fewer are free."""
+        if n > self.free:
+            raise KVCacheFull(f"{n} blocks asked of a pool with {self.free} free")
+        self.taken += n
+        return [heapq.heappop(self._free) for _ in range(n)]
+
+    def give_back(self, blocks: list[int]) -> None:
+        for block in blocks:
+            heapq.heappush(self._free, block)
+        self.taken -= len(blocks)
+
+
+class PagedKVCache:
+    """Every layer's keys and values, in blocks of `block_tokens` token slots taken from a pool
+    as positions are written: vLLM's PagedAttention layout (kvtui.sim.memory.KVPool), in torch.
+
+    Each layer stores keys and values as `(1, n_kv_head, n_blocks x block_tokens, head_dim)`;
+    block b is slots b x block_tokens onwards in every layer. Each sequence has a block table,
+    the blocks it holds in order, and position p of it sits in slot
+    `table[p // block_tokens] x block_tokens + p % block_tokens`. `reserve` takes the blocks a
+    step's new positions need, for every sequence at once, before any layer runs: a step either
+    has its slots or raises `KVCacheFull` having changed nothing.
+
+    A sequence whose blocks are consecutive (one sequence in a fresh pool: `BlockPool` hands out
+    the lowest first) reads its keys and values as one view of the storage, as a contiguous cache
+    would; otherwise (a batch, or a table with gaps) they are gathered by slot. `length` is an
+    integer that `reserve` advances: fullness is never inferred from the buffers.
     """
 
     def __init__(
         self,
+        n_layer: int,
         batch: int,
         n_kv_head: int,
-        max_len: int,
         head_dim: int,
         *,
+        block_tokens: int,
+        n_blocks: int,
+        max_positions: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (batch, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+        shape = (1, n_kv_head, n_blocks * block_tokens, head_dim)
+        self.layers: list[LayerKV] = []
+        for _ in range(n_layer):
+            k = torch.empty(shape, dtype=dtype, device=device)
+            self.layers.append(LayerKV(self, k, torch.empty_like(k)))
+        self.pool = BlockPool(n_blocks)
+        self.batch, self.block_tokens = batch, block_tokens
+        self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.length = 0
-        self.bytes_per_position = self.allocated_bytes // max_len
-        """Keys and values of one position, measured once: `filled_bytes` is read every step."""
+        element = self.layers[0].k.element_size() if self.layers else 0
+        self.bytes_per_position = n_layer * 2 * n_kv_head * head_dim * element
+        """Keys and values of one position of one sequence, every layer."""
+        self.block_bytes = block_tokens * self.bytes_per_position
+        self.base: int | None = 0
+        """The slot of position 0 when there is one sequence and its blocks are consecutive
+        (its keys and values are then a view of the storage); None otherwise."""
+        self._slots = torch.zeros((batch, max_positions), dtype=torch.long, device=device)
+        """Slot of each position of each sequence, filled as blocks are taken."""
+        self._consecutive = True
+        self._held = 0
+        """Blocks every sequence holds at least."""
+        self.write_slots = self.read_slots = self._slots[0, :0]
+        """The slots a step writes and reads, every sequence's in turn, where `base` is None."""
 
     @property
     def allocated_bytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        """Bytes of the blocks taken: whole blocks, the last one's tail included."""
+        return self.pool.taken * self.block_bytes
 
     @property
     def filled_bytes(self) -> int:
-        """Bytes of the positions written so far (keys and values)."""
-        return self.length * self.bytes_per_position
+        """Bytes of the positions written so far (keys and values, every sequence)."""
+        return self.length * self.batch * self.bytes_per_position
+
+    def reserve(self, start: int, n: int) -> None:
+        """Make positions `start..start+n-1` of every sequence writable: take the blocks they
+        need (`KVCacheFull`, taking none, when the pool has too few), and address the step's
+        writes and reads for the layers."""
+        end, bt, limit = start + n, self.block_tokens, self._slots.shape[1]
+        if end > limit:
+            raise ValueError(f"position {end} is past the cache's {limit}")
+        wanted = -(-end // bt)
+        short = sum(max(0, wanted - len(t)) for t in self.tables) if wanted > self._held else 0
+        new = iter(self.pool.take(short))
+        for row, table in enumerate(self.tables):
+            while len(table) < wanted:
+                block, first = next(new), len(table) * bt
+                if table and block != table[-1] + 1:
+                    self._consecutive = False
+                table.append(block)
+                slots = torch.arange(block * bt, (block + 1) * bt, device=self._slots.device)
+                self._slots[row, first : first + bt] = slots[: limit - first]
+        self._held = min(len(t) for t in self.tables)
+        self.length = max(self.length, end)
+        if self.batch == 1 and self._consecutive:
+            self.base = self.tables[0][0] * bt
+        else:
+            self.base = None
+            self.write_slots = self._slots[:, start:end].reshape(-1)
+            self.read_slots = self._slots[:, :end].reshape(-1)
+
+    def free(self) -> None:
+        """Give every block back to the pool."""
+        for table in self.tables:
+            self.pool.give_back(table)
+            table.clear()
+        self.length = self._held = 0
+        self.base, self._consecutive = 0, True
+
+
+class LayerKV:
+    """One layer's keys and values in a `PagedKVCache`, written and read at the slots its
+    `reserve` addressed for the step."""
+
+    def __init__(self, owner: PagedKVCache, k: Tensor, v: Tensor) -> None:
+        self.owner, self.k, self.v = owner, k, v
 
     def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write `k`, `v` `(B, n_kv_head, T, head_dim)` at positions `start..start+T-1`; return
-        the keys and values of every position so far, `(B, n_kv_head, length, head_dim)`."""
-        end = start + k.shape[2]
-        if end > self.max_len:
-            raise IndexError(f"KV cache holds {self.max_len} positions; asked to write {end}")
-        keys, values = self.k, self.v
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
-        self.length = max(self.length, end)
-        return keys[:, :, : self.length], values[:, :, : self.length]
+        """Write `k`, `v` `(B, n_kv_head, T, head_dim)` at the positions `reserve` made ready;
+        return the keys and values of every position so far, `(B, n_kv_head, length, head_dim)`."""
+        owner = self.owner
+        base = owner.base
+        if base is not None:  # one sequence, consecutive blocks: as a contiguous cache
+            end = base + start + k.shape[2]
+            self.k[:, :, base + start : end] = k
+            self.v[:, :, base + start : end] = v
+            return self.k[:, :, base:end], self.v[:, :, base:end]
+        B, KV, T, hd = k.shape
+        self.k[0].index_copy_(1, owner.write_slots, k.transpose(0, 1).reshape(KV, B * T, hd))
+        self.v[0].index_copy_(1, owner.write_slots, v.transpose(0, 1).reshape(KV, B * T, hd))
+        return self.read()
+
+    def read(self) -> tuple[Tensor, Tensor]:
+        """The keys and values of every position so far, `(B, n_kv_head, length, head_dim)`:
+        a view where `base` is set, else gathered by slot."""
+        owner = self.owner
+        if owner.base is not None:
+            end = owner.base + owner.length
+            return self.k[:, :, owner.base : end], self.v[:, :, owner.base : end]
+        B, S, KV, hd = owner.batch, owner.length, self.k.shape[1], self.k.shape[3]
+        slots = owner.read_slots
+        return (
+            self.k[0].index_select(1, slots).view(KV, B, S, hd).transpose(0, 1),
+            self.v[0].index_select(1, slots).view(KV, B, S, hd).transpose(0, 1),
+        )
 
 
 class RMSNorm(nn.Module):
@@ -284,7 +403,7 @@ class Attention(nn.Module):
         self.wqkv = Linear(args.dim, self.q_dim + 2 * self.kv_dim, **factory)
         self.wo = Linear(self.q_dim, args.dim, **factory)
 
-    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
+    def forward(self, x: Tensor, freqs: Tensor, cache: LayerKV | None, start: int) -> Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.wqkv(x).view(B, T, H + 2 * KV, hd)
@@ -329,7 +448,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, **factory)
         self.feed_forward = FeedForward(args, **factory)
 
-    def forward(self, x: Tensor, freqs: Tensor, cache: KVCache | None, start: int) -> Tensor:
+    def forward(self, x: Tensor, freqs: Tensor, cache: LayerKV | None, start: int) -> Tensor:
         x = x + self.attention(self.attention_norm(x), freqs, cache, start)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -378,7 +497,7 @@ class Transformer(nn.Module):
         self.output = Linear(args.dim, args.vocab_size, **factory)
         freqs = rope_table(args.max_positions, args.head_dim, args.rope_base).to(device)
         self.register_buffer("rope", freqs, persistent=False)
-        self.caches: list[KVCache] | None = None
+        self.kv: PagedKVCache | None = None
         self._step: tuple[list[StepWeights], Tensor, Callable[[Tensor], Tensor]] | None = None
         """Each layer's `StepWeights`, the final norm's weight and the output projection, for
         `decode`: gathered with the caches, dropped with them."""
@@ -419,37 +538,41 @@ class Transformer(nn.Module):
         self.matvec_timings = choose_matvec(self)
         return self.matvec_timings
 
-    def setup_caches(self, batch: int, max_len: int) -> None:
-        """Preallocate one KV cache per layer for `max_len` positions, and gather the weights
-        (and kernels) as they are now for `decode`."""
+    def setup_caches(
+        self,
+        batch: int,
+        max_len: int,
+        *,
+        block_tokens: int | None = None,
+        pool_blocks: int | None = None,
+    ) -> PagedKVCache:
+        """Make the KV cache for `batch` sequences of up to `max_len` positions, in blocks of
+        `block_tokens` (default: one block of `max_len`, a contiguous cache) from a pool of
+        `pool_blocks` (default: as many as the sequences can use; storage is never made for more
+        than that), and gather the weights (and kernels) as they are now for `decode`."""
         if max_len > self.args.max_positions:
             raise ValueError(f"{max_len} positions is past the model's {self.args.max_positions}")
+        block_tokens = block_tokens or max_len
+        usable = batch * -(-max_len // block_tokens)
         p = self.output.weight
-        self.caches = [
-            KVCache(
-                batch,
-                self.args.n_kv_head,
-                max_len,
-                self.args.head_dim,
-                dtype=p.dtype,
-                device=p.device,
-            )
-            for _ in self.layers
-        ]
+        self.kv = PagedKVCache(
+            self.args.n_layer,
+            batch,
+            self.args.n_kv_head,
+            self.args.head_dim,
+            block_tokens=block_tokens,
+            n_blocks=usable if pool_blocks is None else min(pool_blocks, usable),
+            max_positions=max_len,
+            dtype=p.dtype,
+            device=p.device,
+        )
         layers = [layer.step_weights() for layer in self.layers]
         self._step = (layers, self.norm.weight, self.output.bound())
+        return self.kv
 
     def drop_caches(self) -> None:
-        self.caches = None
+        self.kv = None
         self._step = None
-
-    @property
-    def kv_bytes_allocated(self) -> int:
-        return sum(c.allocated_bytes for c in self.caches) if self.caches else 0
-
-    @property
-    def kv_bytes_filled(self) -> int:
-        return sum(c.filled_bytes for c in self.caches) if self.caches else 0
 
     def _rotations(self, start: int, n: int) -> Tensor:
         """The RoPE angles of positions `start..start+n-1` as complex numbers `(n, 1, hd // 2)`;
@@ -465,13 +588,16 @@ class Transformer(nn.Module):
         With `use_cache`, each layer writes its new keys and values into its KV cache and attends
         over everything cached so far; without, attention covers `idx` alone (causal).
         """
-        caches = self.caches if use_cache else None
-        if use_cache and caches is None:
-            raise RuntimeError("setup_caches() first")
+        caches: list[LayerKV | None] = [None] * len(self.layers)
+        if use_cache:
+            if self.kv is None:
+                raise RuntimeError("setup_caches() first")
+            self.kv.reserve(start, idx.shape[1])
+            caches = self.kv.layers
         freqs = self._rotations(start, idx.shape[1])
         x = self.tok_embeddings(idx)  # (B, T, dim)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, freqs, caches[i] if caches else None, start)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, freqs, cache, start)
         return self.output(self.norm(x))
 
     def decode(self, token: Tensor, position: int) -> Tensor:
@@ -489,15 +615,16 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"decode takes one token per sequence, (B, 1), not {tuple(token.shape)}"
             )
-        if self._step is None or self.caches is None:
+        if self._step is None or self.kv is None:
             raise RuntimeError("setup_caches() first")
         a = self.args
         H, KV, hd, dim, eps = a.n_head, a.n_kv_head, a.head_dim, (a.dim,), a.norm_eps
         B = token.shape[0]
         layers, norm, output = self._step
         freqs = self._rotations(position, 1)
+        self.kv.reserve(position, 1)
         x = F.embedding(token, self.tok_embeddings.weight)  # (B, 1, dim)
-        for w, cache in zip(layers, self.caches, strict=True):
+        for w, cache in zip(layers, self.kv.layers, strict=True):
             qkv = w.wqkv(F.rms_norm(x, dim, w.attention_norm, eps)).view(B, H + 2 * KV, hd)
             qk = apply_rope(qkv[:, : H + KV], freqs)  # (B, n_head + n_kv_head, head_dim)
             # (B, n_kv_head, position + 1, head_dim)

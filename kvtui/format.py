@@ -129,3 +129,22 @@ def safe_text(text: str, *, one_line: bool = False) -> str:
     written as escapes ("\\x1b", "\\x9b", "\\udcff"), so that no part of it can move the cursor,
     retitle the window or fail to encode. `one_line` escapes newline and tab too."""
     return (_UNSAFE_LINE if one_line else _UNSAFE).sub(_escape, str(text))
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]iB|B)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as people write it, binary units: "64MiB", "1.5 GiB", "4096" (bytes) -> bytes,
+    rounded down to a whole byte. ValueError for anything else (decimal "GB" included: kvtui's
+    sizes are binary, and "1 GB" would be ambiguous)."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"expected a size such as 64MiB or 1.5GiB (units B, KiB, MiB, GiB, TiB), not {text!r}"
+        )
+    number, unit = match.groups()
+    whole, _, fraction = number.partition(".")
+    scale = _SIZE_UNITS[(unit or "b").lower()]
+    return int(whole) * scale + (int(fraction) * scale // 10 ** len(fraction) if fraction else 0)

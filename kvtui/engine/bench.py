@@ -160,17 +160,20 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
     started = c.started
     cached, uncached = c.steps["cached"], c.steps["uncached"]
     ids_c, ids_u = cached.token_ids.tolist(), uncached.token_ids.tolist()
+    compared = min(len(ids_c), len(ids_u))  # as far as both loops got
     divergence = next(
         (i for i, (a, b) in enumerate(zip(ids_c, ids_u, strict=False)) if a != b), None
     )
-    if divergence is None and len(ids_c) != len(ids_u):
-        divergence = min(len(ids_c), len(ids_u))
     stats_c, stats_u = loop_stats(cached), loop_stats(uncached)
     work_c, work_u = cached.work, uncached.work
     achieved = statistics.median(cached.bandwidth) if cached.bandwidth else None
     intensity = statistics.fmean(cached.intensity) if cached.intensity else None
     finished_c = c.finished.get("cached")
     P = started.prompt_tokens
+    allocated = finished_c.kv_bytes_allocated if finished_c else None
+    block_bytes = (
+        started.kv_block_tokens * started.kv_bytes_per_token if started.kv_block_tokens else None
+    )
     return _finite(
         {
             "engine": settings.engine,
@@ -185,13 +188,11 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
             "greedy": settings.greedy,
             "text": "".join((cached or uncached).text),
             "token_ids": ids_c or ids_u,
-            "identical": bool(cached) and bool(uncached) and divergence is None,
+            "identical": compared > 0 and divergence is None,
+            "compared_tokens": compared,
             "first_divergence": divergence,
-            "cached": {**stats_c, "finished": finished_c.reason if finished_c else None},
-            "uncached": {
-                **stats_u,
-                "finished": c.finished["uncached"].reason if "uncached" in c.finished else None,
-            },
+            "cached": {**stats_c, "finished": _finished(finished_c)},
+            "uncached": {**stats_u, "finished": _finished(c.finished.get("uncached"))},
             "speedup_wall": stats_u["total_s"] / stats_c["total_s"]
             if stats_c["total_s"] and stats_u["total_s"]
             else None,
@@ -204,8 +205,17 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
             "work_uncached": work_u,
             "work_ratio": work_u / work_c if work_c else None,
             "kv_bytes_per_token": started.kv_bytes_per_token,
-            "kv_bytes_measured": finished_c.kv_bytes_allocated if finished_c else None,
-            "kv_bytes_formula": started.kv_bytes_per_token * (P + started.tokens),
+            "kv_capacity_bytes": started.kv_capacity_bytes,
+            "kv_pool_source": started.kv_pool_source,
+            "kv_block_tokens": started.kv_block_tokens,
+            "kv_blocks_allocated": allocated // block_bytes
+            if allocated is not None and block_bytes
+            else None,
+            "kv_bytes_allocated": allocated,
+            "kv_bytes_filled": finished_c.kv_bytes_filled if finished_c else None,
+            "kv_bytes_formula": started.kv_bytes_per_token * (P + len(cached) - 1)
+            if cached
+            else None,
             "weights_bytes": started.weights_bytes,
             "achieved_bandwidth_bytes_per_s": achieved,
             "peak_bandwidth_bytes_per_s": started.peak_bandwidth_bytes_per_s,
@@ -213,6 +223,11 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
             "messages": list(dict.fromkeys(f.message for f in c.finished.values() if f.message)),
         }
     )
+
+
+def _finished(f: RunFinished | None) -> dict | None:
+    """How a loop ended: its reason ("done", "out_of_memory", ...), steps and message."""
+    return {"reason": f.reason, "steps": f.steps, "message": f.message} if f else None
 
 
 def _finite(data: Any) -> Any:
@@ -394,6 +409,30 @@ def _collect(c: _Collected, event: Event) -> None:
         raise EngineError(event.message)
 
 
+def _kv_lines(r: dict) -> list[str]:
+    """The KV cache's lines of the table: its pool, what the cached loop took and filled."""
+    lines = []
+    measured = r["timing"] == "measured"
+    how = "measured" if measured else "modelled"
+    if r["kv_capacity_bytes"] is not None:
+        pool = (
+            f"  KV pool: {format_bytes(r['kv_capacity_bytes'])} ({r['kv_pool_source']}), "
+            f"blocks of {r['kv_block_tokens']} tokens"
+        )
+        lines.append(pool)
+    elif r["kv_bytes_allocated"] is not None:
+        lines.append("  KV pool: none (the engine's own cache, sized for the run; no budget)")
+    if r["kv_bytes_allocated"] is not None:
+        blocks = r["kv_blocks_allocated"]
+        lines.append(
+            f"  KV cache at the end: {format_bytes(r['kv_bytes_allocated'])} allocated"
+            + (f" ({format_count(blocks, 'block')})" if blocks is not None else "")
+            + f", {format_bytes(r['kv_bytes_filled'] or 0)} filled ({how}); "
+            f"{format_bytes(r['kv_bytes_formula'] or 0)} by the formula"
+        )
+    return lines
+
+
 def format_table(r: dict) -> str:
     """The summary as a small table for a terminal."""
 
@@ -439,20 +478,18 @@ def format_table(r: dict) -> str:
     if r["timing"] != "measured":
         lines.append(f"  every time and rate below is {r['timing']}: arithmetic, not a measurement")
     lines += [f"  {a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]
-    same = "identical" if r["identical"] else f"DIFFER from step {r['first_divergence']}"
-    lines.append(f"  tokens: {same}")
+    if r["first_divergence"] is not None:
+        lines.append(f"  tokens: DIFFER from step {r['first_divergence']}")
+    elif r["compared_tokens"]:
+        lines.append(f"  tokens: identical over the {format_int(r['compared_tokens'])} both made")
+    else:
+        lines.append("  tokens: nothing to compare (a loop made none)")
     if r["speedup_wall"] and r["work_ratio"]:
         lines.append(
             f"  speedup: {format_ratio(r['speedup_wall'])} {r['timing']}, "
             f"{format_ratio(r['work_ratio'])} in positions computed"
         )
-    if r["kv_bytes_measured"] is not None and r["timing"] == "measured":
-        lines.append(
-            f"  KV cache: {format_bytes(r['kv_bytes_measured'])} measured, "
-            f"{format_bytes(r['kv_bytes_formula'])} by the formula"
-        )
-    elif r["kv_bytes_measured"] is not None:
-        lines.append(f"  KV cache: {format_bytes(r['kv_bytes_formula'])} by the formula (modelled)")
+    lines += _kv_lines(r)
     if r["achieved_bandwidth_bytes_per_s"]:
         peak = r["peak_bandwidth_bytes_per_s"]
         lines.append(

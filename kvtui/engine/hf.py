@@ -287,6 +287,9 @@ class HFCache:
     def kv_bytes_filled(self, positions: int) -> int:
         return cache_bytes(self.cache, positions)
 
+    def kv_bytes_allocated(self) -> int:
+        return cache_bytes(self.cache)
+
 
 class TextStream:
     """Token ids in, text out: decodes the growing sequence and emits what it adds, holding back
@@ -352,9 +355,6 @@ class HFEngine(TorchEngine):
 
     def text_stream(self) -> Callable[[int], str]:
         return TextStream(self.tokenizer, self.prompt).push
-
-    def kv_bytes_allocated(self) -> int:
-        return cache_bytes(self._cache) if self._cache is not None else 0
 
     def free_cache(self) -> None:
         self._cache = None

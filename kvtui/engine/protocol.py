@@ -69,6 +69,14 @@ class RunSettings:
     lesson: bool = False
     """Run on a one-token prompt (the prompt's first token): the counts are then exactly the
     lesson's (24 tokens: 300 positions without a cache, 24 with it)."""
+    kv_budget_bytes: int | None = None
+    """The KV pool's capacity (`--kv-budget`); None: the engine's default (on a GPU, its share
+    of the device as `gpu_memory_utilization` says; on a CPU, kvtui.sim.memory's
+    CPU_KV_BUDGET_BYTES; for `sim:`, the modelled GPU's share)."""
+    kv_block_tokens: int = 16
+    """Token slots per block of the KV pool (`--kv-block`; vLLM's default block size)."""
+    gpu_memory_utilization: float = 0.9
+    """The share of a GPU's memory the engine may fill, as vLLM's flag of that name."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "loops": list(self.loops)}
@@ -82,9 +90,17 @@ class RunSettings:
             loops = values["loops"] = tuple(values["loops"])
             if not loops or len(set(loops)) != len(loops):
                 raise ValueError(f"run settings: loops must be distinct loops, not {loops}")
-        for name in ("tokens", "threads"):
+        for name in ("tokens", "threads", "kv_block_tokens"):
             if name in values and values[name] < 1:
                 raise ValueError(f"run settings: {name} must be at least 1, not {values[name]}")
+        if values.get("kv_budget_bytes") is not None and values["kv_budget_bytes"] < 0:
+            raise ValueError("run settings: kv_budget_bytes must not be negative")
+        utilization = values.get("gpu_memory_utilization", 0.9)
+        if not 0 < utilization <= 1:
+            raise ValueError(
+                f"run settings: gpu_memory_utilization must be above 0 and at most 1, not "
+                f"{utilization}"
+            )
         return cls(**values)
 
 
@@ -116,6 +132,13 @@ class RunStarted:
     (roofline)" (the `sim:` engine's arithmetic)."""
     prompt_text: str = ""
     """The prompt as text, for showing before the generated text (dimmed)."""
+    kv_capacity_bytes: int | None = None
+    """The KV pool's capacity (kvtui.sim.memory.KVPool), or None where the engine keeps a cache
+    of its own with no pool (`hf:`: transformers' StaticCache, sized for the run)."""
+    kv_block_tokens: int | None = None
+    """Token slots per block of the pool."""
+    kv_pool_source: str = ""
+    """Where the capacity came from, in words: "--kv-budget", the GPU's share, the CPU default."""
     kind: str = field(default="started", init=False)
 
 
@@ -139,8 +162,12 @@ class StepSample:
     step_seconds: float
     """Wall time of the step, measured after synchronising the device."""
     kv_bytes: int
-    """KV-cache bytes held after the step (0 for the uncached loop, which keeps none)."""
+    """KV-cache bytes filled after the step: its positions' keys and values (0 for the uncached
+    loop, which keeps none)."""
     device_memory_bytes: int | None = None
+    kv_bytes_allocated: int = 0
+    """KV-cache bytes allocated after the step: the blocks taken from the pool, each whole (the
+    last one's unused slots too), or the buffers of an engine's own cache."""
     kind: str = field(default="step", init=False)
 
 
@@ -153,7 +180,10 @@ class RunFinished:
     steps: int
     message: str = ""
     kv_bytes_allocated: int | None = None
-    """Bytes of the KV-cache buffers this loop allocated, measured from the tensors."""
+    """Bytes of the KV cache this loop held at its end (before it was freed), measured from the
+    tensors: whole blocks of the pool, or an engine's own buffers."""
+    kv_bytes_filled: int | None = None
+    """Bytes of keys and values of the positions it had written by then."""
     kind: str = field(default="finished", init=False)
 
 

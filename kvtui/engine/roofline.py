@@ -2,9 +2,11 @@
 
 `sim:MODEL@GPU` runs a catalog model on a catalog GPU on paper: each step's positions, FLOPs and
 bytes come from kvtui.sim.work, its time is the roofline's (the slower of compute and memory at
-peak), and the KV cache grows by kvtui.sim.memory's formula until the GPU is full, where the run
-stops "out of memory", as a real one would. The tokens are a fixed passage of Austen (the same for
-both loops: a cache changes the work, never the answer). For laptops, demos and deterministic tests.
+peak), and the KV cache takes blocks from a modelled pool (kvtui.sim.memory.KVPool: `--kv-budget`,
+or what vLLM's rule leaves of the GPU) until none is left, where the cached loop stops "out of
+memory" at the token the pool predicts, as a real one would. The tokens are a fixed passage of
+Austen (the same for both loops: a cache changes the work, never the answer). For laptops, demos
+and deterministic tests.
 
 `sim:MODEL@NxGPU` splits the model over N of the GPU by tensor parallelism: every figure is then
 one GPU's (kvtui.sim.memory.shard: its query heads, its KV heads, each kept whole even when there
@@ -33,11 +35,13 @@ from kvtui.format import format_bytes
 from kvtui.sim.catalog import GPUSpec, ModelSpec, UnknownNameError, get_gpu, get_model
 from kvtui.sim.memory import (
     RUNTIME_RESERVE_BYTES,
-    fewest_gpus,
+    KVPool,
     kv_bytes,
     kv_bytes_per_token,
+    kv_capacity,
     shard,
     tensor_parallel_problem,
+    tensor_parallel_sizes,
     weights_bytes,
 )
 from kvtui.sim.work import (
@@ -72,17 +76,50 @@ class SimEngine:
     """GPUs the model is split over (tensor parallel)."""
     share: ModelSpec = field(init=False)
     """One GPU's part of the model (the model itself on one GPU)."""
+    pool: KVPool = field(init=False)
+    """The KV pool of one GPU, modelled: `--kv-budget`, or what vLLM's rule leaves
+    (kvtui.sim.memory.kv_capacity: memory x utilization - weights - the runtime reserve)."""
+    pool_source: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.share = shard(self.model, self.gpus)
+        s = self.settings
+        room = self._room(self.gpus)
+        if s.kv_budget_bytes is not None:
+            capacity, self.pool_source = s.kv_budget_bytes, "--kv-budget"
+        else:
+            capacity = max(0, room)
+            self.pool_source = (
+                f"modelled: {s.gpu_memory_utilization:g} of "
+                f"{format_bytes(self.gpu.memory_bytes)} less the weights and a "
+                f"{format_bytes(RUNTIME_RESERVE_BYTES)} reserve"
+            )
+        per_token = kv_bytes_per_token(self.share, self.kv_dtype)
+        self.pool = KVPool(capacity, s.kv_block_tokens, per_token)
+
+    def _room(self, gpus: int) -> int:
+        """What vLLM's rule leaves each of `gpus` GPUs for its KV cache
+        (kvtui.sim.memory.kv_capacity); negative when the weights take more."""
+        s = self.settings
+        return kv_capacity(
+            self.model,
+            self.gpu,
+            context_tokens=1,
+            tp=gpus,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            block_size=s.kv_block_tokens,
+            kv_dtype=self.kv_dtype,
+            weights_dtype=self.weights_dtype,
+        ).kv_bytes_available_per_gpu
 
     @classmethod
     def open(
         cls, settings: RunSettings, model_name: str, gpu_name: str, gpus: int = 1
     ) -> SimEngine:
         """The roofline engine for a catalog model on `gpus` of a catalog GPU; `EngineError`
-        when either is unknown, vLLM cannot split the model over that many, or the weights (one
-        GPU's share of them) do not fit."""
+        when either is unknown, vLLM cannot split the model over that many, their share of the
+        memory (`--gpu-memory-utilization`) leaves no block for a KV cache beside the weights and
+        the runtime reserve, or `--kv-budget` asks for more than it leaves."""
         try:
             model, gpu = get_model(model_name), get_gpu(gpu_name)
         except UnknownNameError as exc:
@@ -93,6 +130,8 @@ class SimEngine:
         if gpus > 1 and not gpu.interconnect_bytes_per_s:
             raise EngineError(f"the catalog gives no GPU-to-GPU bandwidth for {gpu.display_name}")
         engine = cls(settings, model, gpu, gpus=gpus)
+        room, block = engine._room(gpus), engine.pool.block_bytes
+        u = settings.gpu_memory_utilization
         weights = weights_bytes(engine.share, engine.weights_dtype)
         if weights + RUNTIME_RESERVE_BYTES > gpu.memory_bytes:
             if gpus == 1:
@@ -106,17 +145,28 @@ class SimEngine:
                 f"{format_bytes(RUNTIME_RESERVE_BYTES)} runtime reserve > "
                 f"{format_bytes(gpu.memory_bytes)}); {engine._needs()}"
             )
+        if room < block:
+            where = gpu.display_name if gpus == 1 else f"each of {gpus}x {gpu.display_name}"
+            raise EngineError(
+                f"{model.name}'s weights ({format_bytes(weights)}"
+                + (" per GPU" if gpus > 1 else "")
+                + f") and the {format_bytes(RUNTIME_RESERVE_BYTES)} runtime reserve leave no "
+                f"room for a KV cache in {u:g} of {where} ({format_bytes(gpu.memory_bytes)}); "
+                f"{engine._needs()}" + (" (or raise --gpu-memory-utilization)" if u < 1 else "")
+            )
+        if settings.kv_budget_bytes is not None and settings.kv_budget_bytes > room:
+            raise EngineError(
+                f"--kv-budget {format_bytes(settings.kv_budget_bytes)} is more than the "
+                f"{format_bytes(room)} {gpu.display_name} has for a KV cache beside the weights "
+                f"(at --gpu-memory-utilization {u:g})"
+            )
         return engine
 
     def _needs(self) -> str:
-        """The fewest of this GPU whose shares of the weights fit, as a `sim:` name."""
-        m, gpu = self.model, self.gpu
-
-        def fits(share: ModelSpec) -> bool:
-            held = weights_bytes(share, self.weights_dtype) + RUNTIME_RESERVE_BYTES
-            return held <= gpu.memory_bytes
-
-        fewest = fewest_gpus(m, fits)
+        """The fewest of this GPU that leave room for a block of KV cache, as a `sim:` name."""
+        m, gpu, block = self.model, self.gpu, self.pool.block_bytes
+        sizes = tensor_parallel_sizes(m)
+        fewest = next((tp for tp in sizes if self._room(tp) >= block), None)
         if fewest is None:
             return f"no split of its {m.heads} heads over {gpu.name} GPUs holds it"
         return f"it needs at least {fewest}: sim:{m.name}@{fewest}x{gpu.name}"
@@ -148,18 +198,33 @@ class SimEngine:
             max_positions=m.max_context,
             trained_positions=m.max_context,
             timing=MODELLED,
+            kv_capacity_bytes=self.pool.capacity_bytes,
+            kv_block_tokens=self.pool.block_tokens,
+            kv_pool_source=self.pool_source,
             prompt_text=bytes(encode_bytes(self.settings.prompt)[: self.prompt_tokens]).decode(
                 "utf-8", errors="replace"
             ),
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
-        m, P = self.share, self.prompt_tokens  # one GPU's part: the whole model on one GPU
+        m, P, pool = self.share, self.prompt_tokens, self.pool  # one GPU's part of the model
         text = Utf8Stream()
         passage = PASSAGE.encode("utf-8")
-        room = self.gpu.memory_bytes - RUNTIME_RESERVE_BYTES - weights_bytes(m, self.weights_dtype)
+        weights = weights_bytes(m, self.weights_dtype)
+        room = pool.tokens_before_full(P) if loop == "cached" else self.settings.tokens
+        held = allocated = 0
         for i in range(self.settings.tokens):
             context = P + i  # keys and values held once this step is done
+            if i >= room:  # this step would cache a position the pool has no block for
+                yield RunFinished(
+                    loop,
+                    "out_of_memory",
+                    i,
+                    pool.full_message(P),
+                    kv_bytes_allocated=allocated,
+                    kv_bytes_filled=held,
+                )
+                return
             if loop == "cached":
                 computed = P if i == 0 else 1
                 if i == 0:
@@ -169,16 +234,11 @@ class SimEngine:
                     flops = decode_step_flops(m, context)
                     read = decode_step_bytes(m, context, self.weights_dtype, self.kv_dtype)
                 held = kv_bytes(m, context, 1, self.kv_dtype)
-                if held > room:
-                    yield RunFinished(
-                        loop, "out_of_memory", i, f"out of memory at {context:,} tokens"
-                    )
-                    return
+                allocated = pool.blocks_for(context) * pool.block_bytes
             else:
                 computed = P + i
                 flops = uncached_step_flops(m, computed)
                 read = uncached_step_bytes(m, computed, self.weights_dtype, self.kv_dtype)
-                held = 0
             seconds = tensor_parallel_step_seconds(
                 self.model, flops, read, computed, self.gpus, self.gpu
             )
@@ -196,15 +256,15 @@ class SimEngine:
                 bytes_read=read,
                 step_seconds=seconds,
                 kv_bytes=held,
-                device_memory_bytes=weights_bytes(m, self.weights_dtype) + held,
+                kv_bytes_allocated=allocated,
+                device_memory_bytes=weights + allocated,
             )
         yield RunFinished(
             loop,
             "done",
             self.settings.tokens,
-            kv_bytes_allocated=kv_bytes(m, P + self.settings.tokens, 1, self.kv_dtype)
-            if loop == "cached"
-            else None,
+            kv_bytes_allocated=allocated if loop == "cached" else None,
+            kv_bytes_filled=held if loop == "cached" else None,
         )
 
     def close(self) -> None:

@@ -230,6 +230,15 @@ def check_run(settings: RunSettings) -> EngineSpec:
             raise EngineError(f"unknown device {device!r}: use auto, cpu or cuda")
         if device != "auto" and device != "cpu" and not cuda_visible():
             raise EngineError(f"--device {device}: this machine shows no CUDA device")
+    if spec.kind in ("hf", "replay") and settings.kv_budget_bytes is not None:
+        raise EngineError(
+            f"--kv-budget applies to kvtui's own engines (tiny, shape:, sim:), not to {spec.kind}:"
+            + (
+                " transformers keeps its own cache there"
+                if spec.kind == "hf"
+                else " a replay shows the run as it was recorded"
+            )
+        )
     known = model_positions(spec)
     if known is not None:
         label, limit = known

@@ -34,7 +34,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from kvtui.decoder import ModelArgs, Transformer
+from kvtui.decoder import KVCacheFull, ModelArgs, Transformer
 from kvtui.engine.protocol import (
     EngineError,
     Loop,
@@ -47,7 +47,13 @@ from kvtui.format import format_bytes
 from kvtui.paths import asset_path
 from kvtui.probe import open_probe
 from kvtui.sim.catalog import ModelSpec, UnknownNameError, get_model, normalize_dtype
-from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
+from kvtui.sim.memory import (
+    CPU_KV_BUDGET_BYTES,
+    KVPool,
+    gpu_pool_bytes,
+    kv_bytes,
+    kv_bytes_per_token,
+)
 from kvtui.sim.work import (
     decode_step_bytes,
     decode_step_flops,
@@ -88,6 +94,8 @@ class Step:
     step_seconds: float
     kv_bytes: int
     """KV-cache bytes filled after this step (0 without a cache)."""
+    kv_bytes_allocated: int = 0
+    """KV-cache bytes allocated after this step: whole blocks, or the buffers a cache holds."""
 
 
 class Sampler:
@@ -130,6 +138,10 @@ class CachedModel(Protocol):
         """Bytes of keys and values the cache holds for the first `positions` positions."""
         ...
 
+    def kv_bytes_allocated(self) -> int:
+        """Bytes of the cache's storage taken so far, measured from its tensors."""
+        ...
+
 
 def cached_loop(
     model: CachedModel, prompt: Tensor, n_tokens: int, sampling: Sampling
@@ -151,7 +163,8 @@ def cached_loop(
         token_id = int(token.item())  # .item() synchronises too
         synchronize(device)
         seconds = time.perf_counter() - t0
-        yield Step(i, P + i, token_id, computed, seconds, model.kv_bytes_filled(P + i))
+        filled, allocated = model.kv_bytes_filled(P + i), model.kv_bytes_allocated()
+        yield Step(i, P + i, token_id, computed, seconds, filled, allocated)
 
 
 def recompute_loop(
@@ -179,7 +192,7 @@ def recompute_loop(
 
 @dataclass
 class DecoderCache:
-    """kvtui's own decoder as a `CachedModel`: its per-layer caches, set up for `max_len`."""
+    """kvtui's own decoder as a `CachedModel`, its paged KV cache set up (`setup_caches`)."""
 
     model: Transformer
 
@@ -190,7 +203,10 @@ class DecoderCache:
         return self.model.decode(token, position)
 
     def kv_bytes_filled(self, positions: int) -> int:
-        return self.model.kv_bytes_filled
+        return self.model.kv.filled_bytes
+
+    def kv_bytes_allocated(self) -> int:
+        return self.model.kv.allocated_bytes
 
 
 def recompute_all(model: Transformer, ids: Tensor) -> Tensor:
@@ -367,6 +383,26 @@ def build_shape(
     return ready_to_decode(model)
 
 
+def open_pool(
+    settings: RunSettings, device: torch.device, kv_bytes_per_token: int
+) -> tuple[KVPool, str]:
+    """The KV pool a run's cached loop takes its blocks from, and where its capacity came from:
+    `--kv-budget`; else on a GPU its share (kvtui.sim.memory.gpu_pool_bytes, measured now, with
+    the weights loaded); else the CPU default."""
+    if settings.kv_budget_bytes is not None:
+        capacity, source = settings.kv_budget_bytes, "--kv-budget"
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        u = settings.gpu_memory_utilization
+        capacity = gpu_pool_bytes(total, free, u)
+        source = (
+            f"{u:g} of the GPU's {format_bytes(total)} less the {format_bytes(total - free)} in use"
+        )
+    else:
+        capacity, source = CPU_KV_BUDGET_BYTES, "the CPU default"
+    return KVPool(capacity, settings.kv_block_tokens, kv_bytes_per_token), source
+
+
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of a loaded model's parameters, as they sit in memory (a tied embedding once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -391,6 +427,11 @@ class TorchEngine(ABC):
     """The longest sequence the model was trained on, where known."""
     prompt_text: str
     """The prompt as the model sees it, as text (its first token alone in lesson mode)."""
+    pool: KVPool | None = None
+    """The KV pool the cached loop's blocks come from; None where the engine keeps a cache of
+    its own (`hf:`: transformers' StaticCache, sized for the run)."""
+    pool_source: str = ""
+    """Where the pool's capacity came from, in words."""
 
     @abstractmethod
     def prompt_ids(self) -> Tensor:
@@ -437,6 +478,9 @@ class TorchEngine(ABC):
             max_positions=self.max_positions,
             trained_positions=self.trained_positions,
             prompt_text=self.prompt_text,
+            kv_capacity_bytes=self.pool.capacity_bytes if self.pool else None,
+            kv_block_tokens=self.pool.block_tokens if self.pool else None,
+            kv_pool_source=self.pool_source,
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
@@ -449,35 +493,33 @@ class TorchEngine(ABC):
             return
         sampling = Sampling(temperature=s.temperature, top_k=s.top_k, seed=s.seed, greedy=s.greedy)
         text = self.text_stream()
-        allocated, done, out_of_memory = None, 0, False
+        allocated = filled = None
+        done, stopped = 0, ""
         run: Iterator[Step] | None = None
         try:
             if loop == "cached":
-                model = self.cached(P + s.tokens)
-                run = cached_loop(model, prompt, s.tokens, sampling)
+                run = cached_loop(self.cached(P + s.tokens), prompt, s.tokens, sampling)
             else:
                 run = recompute_loop(self.recompute, prompt, s.tokens, sampling)
             for step in run:
                 if loop == "cached":
-                    allocated = self.kv_bytes_allocated()
+                    allocated, filled = step.kv_bytes_allocated, step.kv_bytes
                 done += 1
                 yield self._sample(loop, step, text(step.token_id))
-        except torch.OutOfMemoryError:
-            out_of_memory = True  # reported below, once the traceback no longer pins tensors
+        except KVCacheFull:
+            stopped = self.pool.full_message(P) if self.pool else "the KV cache is full"
+        except torch.OutOfMemoryError:  # reported below, once the traceback no longer pins tensors
+            stopped = f"out of memory at {P + done:,} tokens"
         finally:
             if run is not None:
                 run.close()  # a stopped run's loop lets go of its cache too
             run = None
             if loop == "cached":
                 self.free_cache()
-        if out_of_memory:
-            yield RunFinished(loop, "out_of_memory", done, f"out of memory at {P + done:,} tokens")
-            return
-        yield RunFinished(loop, "done", done, kv_bytes_allocated=allocated)
-
-    @abstractmethod
-    def kv_bytes_allocated(self) -> int:
-        """Bytes of the KV cache's buffers as allocated now, measured from the tensors."""
+        reason = "out_of_memory" if stopped else "done"
+        yield RunFinished(
+            loop, reason, done, stopped, kv_bytes_allocated=allocated, kv_bytes_filled=filled
+        )
 
     def _sample(self, loop: Loop, step: Step, text: str) -> StepSample:
         """A measured step as the protocol's sample, with the FLOPs and bytes kvtui.sim counts."""
@@ -500,6 +542,7 @@ class TorchEngine(ABC):
             bytes_read=read,
             step_seconds=step.step_seconds,
             kv_bytes=step.kv_bytes,
+            kv_bytes_allocated=step.kv_bytes_allocated,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if on_gpu else None,
         )
 
@@ -526,6 +569,9 @@ class DecoderEngine(TorchEngine):
         self.device, self.label, self.byte_level = device, label, byte_level
         self.max_positions = model.args.max_positions
         self.trained_positions = trained_positions
+        self.pool, self.pool_source = open_pool(
+            settings, device, kv_bytes_per_token(spec, self.dtype_name)
+        )
         ids = encode_bytes(settings.prompt)
         if not byte_level:  # random token ids, as many as the prompt has bytes
             gen = torch.Generator().manual_seed(settings.seed)
@@ -543,7 +589,10 @@ class DecoderEngine(TorchEngine):
         return self._prompt
 
     def cached(self, max_len: int) -> CachedModel:
-        self.model.setup_caches(batch=1, max_len=max_len)
+        pool = self.pool
+        self.model.setup_caches(
+            batch=1, max_len=max_len, block_tokens=pool.block_tokens, pool_blocks=pool.blocks
+        )
         return DecoderCache(self.model)
 
     def recompute(self, ids: Tensor) -> Tensor:
@@ -551,9 +600,6 @@ class DecoderEngine(TorchEngine):
 
     def text_stream(self) -> Callable[[int], str]:
         return Utf8Stream().push if self.byte_level else (lambda token_id: f" {token_id}")
-
-    def kv_bytes_allocated(self) -> int:
-        return self.model.kv_bytes_allocated
 
     def free_cache(self) -> None:
         self.model.drop_caches()

@@ -677,3 +677,114 @@ def vram_split(b: Budget) -> VramSplit:
         free_bytes=left,
         overflow_bytes=max(0, b.used_bytes - b.vram_bytes),
     )
+
+
+# --- the live engines' KV pool -------------------------------------------------------------------
+
+CPU_KV_BUDGET_BYTES = 256 * 2**20
+"""The KV pool of a torch engine on a CPU when no `--kv-budget` is given: 256 MiB. It holds the
+shipped model's every position (4,096 x 3,072 bytes = 12 MiB) twenty times over, and a 4,096-token
+run of Llama 3.2 1B's shape in fp32 (64 KiB a token). Storage is taken only for the blocks a run
+can use, and on a CPU a page costs memory only once it is written."""
+MAX_KV_BLOCK_TOKENS = 65_536
+"""The largest block a pool takes: past any model's context, so one block may hold a whole run."""
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """A KV cache cut into blocks of token slots, taken on demand from a capacity in bytes.
+
+    vLLM's PagedAttention layout (Kwon et al. 2023, arXiv:2309.06180): a block holds the keys and
+    values of `block_tokens` consecutive positions of one sequence in every layer, so
+
+        block bytes = block_tokens x KV bytes per token
+        blocks      = floor(capacity / block bytes)
+        tokens      = blocks x block_tokens               (the longest context that fits, one
+                                                            sequence; vLLM's "KV cache size")
+
+    A sequence takes a new block when it writes the first position of one, so it holds
+    ceil(positions / block_tokens) blocks, and the last one's unused slots are allocated but not
+    filled. B sequences decoded together each take a block at the same step, so each can reach
+    floor(blocks / B) blocks; `tokens_before_full` says where generation stops.
+    """
+
+    capacity_bytes: int
+    block_tokens: int
+    kv_bytes_per_token: int
+    """Keys and values of one position of one sequence, every layer."""
+
+    def __post_init__(self) -> None:
+        _check_count("capacity_bytes", self.capacity_bytes, minimum=0)
+        _check_count("kv_bytes_per_token", self.kv_bytes_per_token, minimum=1)
+        if not 1 <= self.block_tokens <= MAX_KV_BLOCK_TOKENS:
+            raise ValueError(
+                f"block_tokens must be from 1 to {MAX_KV_BLOCK_TOKENS:,}, not {self.block_tokens}"
+            )
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.kv_bytes_per_token
+
+    @property
+    def blocks(self) -> int:
+        return self.capacity_bytes // self.block_bytes
+
+    @property
+    def tokens(self) -> int:
+        """Positions the pool holds for one sequence: whole blocks."""
+        return self.blocks * self.block_tokens
+
+    def blocks_for(self, positions: int, batch: int = 1) -> int:
+        """Blocks `batch` sequences of `positions` each hold."""
+        return batch * -(-positions // self.block_tokens)
+
+    def tokens_per_sequence(self, batch: int = 1) -> int:
+        """Positions each of `batch` sequences decoded together can cache before the pool is
+        empty."""
+        _check_count("batch", batch, minimum=1)
+        return self.blocks // batch * self.block_tokens
+
+    def tokens_before_full(self, prompt_tokens: int, batch: int = 1) -> int:
+        """Tokens the cached loop generates, after a prompt of `prompt_tokens`, before a step
+        finds no block: with C = `tokens_per_sequence(batch)` slots, C - P + 1.
+
+        The prefill caches the prompt's P positions (none fit when P > C: 0 tokens) and emits
+        token 1; the step that emits token t then caches position P + t - 2, the one before it.
+        So the step that emits token C - P + 1 fills the last slot, and the next step, which
+        must cache position C, finds the pool empty."""
+        _check_count("prompt_tokens", prompt_tokens, minimum=1)
+        slots = self.tokens_per_sequence(batch)
+        return max(0, slots - prompt_tokens + 1)
+
+    def full_message(self, prompt_tokens: int, batch: int = 1) -> str:
+        """What a run that stopped on this pool says, in one line."""
+        slots = self.tokens_per_sequence(batch)
+        per = f" per sequence ({batch} decoded together)" if batch > 1 else ""
+        head = (
+            f"the KV cache is full at token {slots:,}{per}"
+            if prompt_tokens <= slots
+            else f"the KV cache cannot hold the prompt's {prompt_tokens:,} tokens{per}"
+        )
+        return (
+            f"{head}: {format_bytes(self.capacity_bytes)} holds {slots:,} tokens of "
+            f"{format_int(self.kv_bytes_per_token)} bytes of keys and values each "
+            f"({self.blocks // batch:,} blocks of {self.block_tokens})"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "block_bytes": self.block_bytes,
+            "blocks": self.blocks,
+            "tokens": self.tokens,
+        }
+
+
+def gpu_pool_bytes(total_bytes: int, free_bytes: int, gpu_memory_utilization: float) -> int:
+    """The KV pool a torch engine takes on a GPU without `--kv-budget`, as vLLM sizes its cache
+    (`determine_available_memory`): its share of the whole device, floor(total x utilization),
+    less everything already in use there (weights, the CUDA context, other processes: total -
+    free, measured once the weights are loaded). What is left of the device beyond the share is
+    for activations. 0 when nothing is left."""
+    usable = math.floor(total_bytes * Fraction(str(gpu_memory_utilization)))
+    return max(0, usable - (total_bytes - free_bytes))

@@ -22,7 +22,11 @@ KEYS = {
     "uncached",
     "speedup_wall",
     "work_ratio",
-    "kv_bytes_measured",
+    "kv_capacity_bytes",
+    "kv_block_tokens",
+    "kv_blocks_allocated",
+    "kv_bytes_allocated",
+    "kv_bytes_filled",
     "kv_bytes_formula",
 }
 LOOP_KEYS = {"tokens_per_s", "step_ms_p50", "step_ms_first_quartile", "step_ms_last_quartile"}
@@ -40,8 +44,11 @@ def test_bench_tiny_json(capsys):
     )
     assert r["identical"] is True and r["first_divergence"] is None
     assert len(r["token_ids"]) == 32 and r["text"]
-    assert r["kv_bytes_measured"] == r["kv_bytes_formula"] == (r["prompt_tokens"] + 32) * 3072
     P = r["prompt_tokens"]
+    assert r["kv_bytes_filled"] == r["kv_bytes_formula"] == (P + 31) * 3072
+    assert r["kv_blocks_allocated"] == -(-(P + 31) // 16)
+    assert r["kv_bytes_allocated"] == r["kv_blocks_allocated"] * 16 * 3072
+    assert r["cached"]["finished"] == {"reason": "done", "steps": 32, "message": ""}
     # positions computed: uncached sum_{i<32} (P + i); cached P + 31
     assert r["work_ratio"] == pytest.approx((32 * P + 32 * 31 // 2) / (P + 31))
     assert r["cached"]["tokens_per_s"] > 0 and r["speedup_wall"] > 0
@@ -52,7 +59,7 @@ def test_bench_sim_reproduces_the_lesson_ratio_shape(capsys):
         capsys, "--engine", "sim:llama-3.1-8b@h100", "--tokens", "64", "--replay-speed", "0"
     )
     assert r["identical"] and r["device"].startswith("sim:")
-    assert r["kv_bytes_measured"] == r["kv_bytes_formula"]
+    assert r["kv_bytes_filled"] == r["kv_bytes_formula"]
     assert r["achieved_bandwidth_bytes_per_s"] == pytest.approx(r["peak_bandwidth_bytes_per_s"])
 
 
@@ -63,7 +70,7 @@ def test_bench_record_then_replay(tmp_path, capsys):
     )
     assert path.read_text().count("\n") == 1 + 1 + 2 * 12 + 2  # header, started, steps, finished
     again = bench_json(capsys, "--engine", f"replay:{path}", "--replay-speed", "0")
-    for key in ("token_ids", "text", "cached", "uncached", "kv_bytes_measured", "speedup_wall"):
+    for key in ("token_ids", "text", "cached", "uncached", "kv_bytes_allocated", "speedup_wall"):
         assert again[key] == first[key]
 
 

@@ -48,9 +48,9 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(small_model):
 def test_caches_are_freed_when_a_cached_run_stops_early(small_model):
     loop = generate(small_model, encode_text(PROMPT), 100, Sampling(greedy=True), cache=True)
     next(loop)
-    assert small_model.caches is not None
+    assert small_model.kv is not None
     loop.close()
-    assert small_model.caches is None
+    assert small_model.kv is None
 
 
 def test_utf8_stream_never_splits_a_character():

@@ -5,22 +5,25 @@ import torch
 import torch.nn.functional as F
 
 from kvtui import decoder as model_module
-from kvtui.decoder import KVCache, Linear, ModelArgs, Transformer, choose_matvec, row_sum
+from kvtui.decoder import Linear, ModelArgs, PagedKVCache, Transformer, choose_matvec, row_sum
 from kvtui.sim.memory import kv_bytes
 
 from .conftest import SMALL
 
 
-def test_kv_cache_bytes_equal_the_formula():
-    model = Transformer(SMALL)
-    model.setup_caches(batch=1, max_len=300)
+def test_kv_cache_bytes_equal_the_formula(small_model):
+    """Filled: the formula for the positions written; allocated: whole blocks."""
     from kvtui.engine.torch_engine import spec_from_args
 
     spec = spec_from_args("small", SMALL)
-    assert model.kv_bytes_allocated == kv_bytes(spec, 300, 1, "fp32")
-    assert (
-        model.kv_bytes_allocated == 300 * 2 * SMALL.n_layer * SMALL.n_kv_head * SMALL.head_dim * 4
-    )
+    kv = small_model.setup_caches(batch=1, max_len=300, block_tokens=16)
+    assert kv.allocated_bytes == kv.filled_bytes == 0  # nothing taken before a position is written
+    with torch.inference_mode():
+        small_model(torch.zeros(1, 300, dtype=torch.long), use_cache=True)
+    per_token = 2 * SMALL.n_layer * SMALL.n_kv_head * SMALL.head_dim * 4
+    assert kv.filled_bytes == kv_bytes(spec, 300, 1, "fp32") == 300 * per_token
+    assert kv.allocated_bytes == 19 * 16 * per_token  # ceil(300 / 16) blocks
+    small_model.drop_caches()
 
 
 def test_the_parameter_count_of_a_shape_is_the_count_of_its_tensors():
@@ -31,17 +34,19 @@ def test_the_parameter_count_of_a_shape_is_the_count_of_its_tensors():
 
 
 def test_kv_cache_update_writes_at_positions_and_counts_length():
-    cache = KVCache(1, 2, 8, 4)
+    cache = PagedKVCache(1, 1, 2, 4, block_tokens=2, n_blocks=4, max_positions=8)
+    layer = cache.layers[0]
     k = torch.ones(1, 2, 3, 4)
-    keys, values = cache.update(0, k, 2 * k)
-    assert cache.length == 3 and keys.shape == (1, 2, 3, 4)
-    keys, values = cache.update(3, 3 * k[:, :, :1], 4 * k[:, :, :1])
-    assert cache.length == 4
+    cache.reserve(0, 3)
+    keys, values = layer.update(0, k, 2 * k)
+    assert cache.length == 3 and keys.shape == (1, 2, 3, 4) and cache.pool.taken == 2
+    cache.reserve(3, 1)
+    keys, values = layer.update(3, 3 * k[:, :, :1], 4 * k[:, :, :1])
+    assert cache.length == 4 and cache.pool.taken == 2  # position 3 is block 1's second slot
     assert keys[0, 0, :, 0].tolist() == [1, 1, 1, 3]
     assert values[0, 0, :, 0].tolist() == [2, 2, 2, 4]
-    assert cache.k[0, 0, 4:].abs().sum() == 0  # nothing written past the length
-    with pytest.raises(IndexError):
-        cache.update(7, k, k)
+    with pytest.raises(ValueError, match="past the cache"):
+        cache.reserve(7, 2)
 
 
 def test_decoding_with_the_cache_matches_the_full_forward_at_every_position(small_model):
@@ -66,7 +71,7 @@ def _decode_after_prefill(model: Transformer, ids: torch.Tensor, prefix: int, on
         model.setup_caches(ids.shape[0], ids.shape[1])
         model(ids[:, :prefix], start=0, use_cache=True)
         logits = [one_token_path(model, ids[:, i : i + 1], i) for i in range(prefix, ids.shape[1])]
-    caches = [(c.k.clone(), c.v.clone()) for c in model.caches]
+    caches = [(c.k.clone(), c.v.clone()) for c in model.kv.layers]
     model.drop_caches()
     return torch.stack(logits), caches
 

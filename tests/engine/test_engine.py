@@ -65,16 +65,22 @@ def test_both_loops_give_the_same_text(tiny_run):
 
 
 def test_kv_bytes_measured_equal_the_formula(tiny_run):
+    """Filled: the formula for the positions cached; allocated: the whole blocks they sit in."""
     engine, events = tiny_run
     started = events[0]
-    P = started.prompt_tokens
-    finished = next(e for e in events if isinstance(e, RunFinished) and e.loop == "cached")
-    assert finished.kv_bytes_allocated == kv_bytes(engine.spec, P + 24, 1, "fp32")
-    assert started.kv_bytes_per_token == 2 * 6 * 2 * 32 * 4  # layers x kv heads x head_dim x fp32
+    P, per_token, block = started.prompt_tokens, started.kv_bytes_per_token, 16
+    assert started.kv_block_tokens == block and started.kv_capacity_bytes == 256 * 2**20
+    assert per_token == 2 * 6 * 2 * 32 * 4  # layers x kv heads x head_dim x fp32
     cached = steps_of(events, "cached")
     assert [s.kv_bytes for s in cached] == [
         kv_bytes(engine.spec, P + i, 1, "fp32") for i in range(24)
     ]
+    assert [s.kv_bytes_allocated for s in cached] == [
+        -(-(P + i) // block) * block * per_token for i in range(24)
+    ]
+    finished = next(e for e in events if isinstance(e, RunFinished) and e.loop == "cached")
+    assert finished.kv_bytes_filled == kv_bytes(engine.spec, P + 23, 1, "fp32")
+    assert finished.kv_bytes_allocated == cached[-1].kv_bytes_allocated
 
 
 def test_step_counts_agree_with_kvtui_sim(tiny_run):
@@ -106,7 +112,7 @@ def test_stop_between_steps_cancels_every_loop():
     finished = [e for e in seen if isinstance(e, RunFinished)]
     assert {f.reason for f in finished} == {"cancelled"}
     assert len([e for e in seen if isinstance(e, StepSample)]) <= 7
-    assert engine.model.caches is None  # the cache was freed
+    assert engine.model.kv is None  # the cache was freed
 
 
 def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
@@ -125,7 +131,7 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
     assert isinstance(finished, RunFinished) and finished.reason == "out_of_memory"
     assert finished.steps == 10
     assert finished.message == f"out of memory at {events[0].prompt_tokens + 10:,} tokens"
-    assert engine.model.caches is None
+    assert engine.model.kv is None
     # the process goes on: the same engine runs again
     monkeypatch.setattr(torch_engine, "cached_loop", real_loop)
     again = list(run_events(engine, engine.settings))
@@ -191,6 +197,6 @@ def test_cuda_run_is_bf16_and_measures_device_memory():
     cached = steps_of(events, "cached")
     assert all(s.device_memory_bytes and s.device_memory_bytes > 0 for s in cached)
     finished = next(e for e in events if isinstance(e, RunFinished) and e.loop == "cached")
-    assert finished.kv_bytes_allocated == kv_bytes(
-        engine.spec, events[0].prompt_tokens + 64, 1, "bf16"
+    assert finished.kv_bytes_filled == kv_bytes(
+        engine.spec, events[0].prompt_tokens + 63, 1, "bf16"
     )

@@ -132,11 +132,13 @@ def test_bench_matches_transformers_generate(saved, capsys):
 def test_kv_bytes_measured_equal_the_formula(saved, capsys):
     directory, model, _ = saved
     r = bench(capsys, directory, "--greedy")
-    assert r["kv_bytes_measured"] == r["kv_bytes_formula"]
+    assert r["kv_bytes_filled"] == r["kv_bytes_formula"]
     # 2 (K and V) x 2 layers x kv heads x head_dim 16 x 4 bytes (fp32)
     kv_heads = 2 if model.config.model_type == "llama" else 4
     assert r["kv_bytes_per_token"] == 2 * 2 * kv_heads * 16 * 4
-    assert r["kv_bytes_measured"] == r["kv_bytes_per_token"] * (r["prompt_tokens"] + TOKENS)
+    # transformers' StaticCache, sized for the whole run; no pool, so no budget
+    assert r["kv_bytes_allocated"] == r["kv_bytes_per_token"] * (r["prompt_tokens"] + TOKENS)
+    assert r["kv_capacity_bytes"] is None and r["kv_blocks_allocated"] is None
     assert r["weights_bytes"] == sum(p.numel() * 4 for p in model.parameters())
     P = r["prompt_tokens"]
     assert r["work_ratio"] == pytest.approx(
@@ -171,7 +173,7 @@ def test_budget_reads_the_same_config_as_the_engine(saved, capsys):
     )
     budget = json.loads(capsys.readouterr().out)
     assert code == 0
-    per_token = measured["kv_bytes_measured"] // (measured["prompt_tokens"] + TOKENS)
+    per_token = measured["kv_bytes_allocated"] // (measured["prompt_tokens"] + TOKENS)
     assert budget["kv_bytes_per_token"] == per_token
 
 

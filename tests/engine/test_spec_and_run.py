@@ -23,7 +23,7 @@ from kvtui.engine.protocol import (
 from kvtui.engine.replay import RecordWriter, read_record
 from kvtui.engine.spec import open_engine
 from kvtui.sim.catalog import get_gpu, get_model
-from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, weights_bytes
+from kvtui.sim.memory import kv_bytes, kv_capacity, weights_bytes
 from kvtui.sim.work import (
     cached_step_positions,
     decode_step_bytes,
@@ -64,16 +64,21 @@ def test_sim_steps_agree_with_kvtui_sim_exactly():
 
 
 def test_sim_run_stops_out_of_memory_where_the_cache_fills_the_gpu():
+    """The modelled pool is vLLM's KV cache on that GPU (`kvtui budget`'s figure): the run stops
+    at the token it predicts, C - P + 1 for C tokens of cache."""
     settings = RunSettings(
         engine="sim:llama-3.1-8b@l4", tokens=131_000, replay_speed=0, loops=("cached",)
     )
     events = list(run_events(open_engine(settings), settings))
     spec, gpu = get_model("llama-3.1-8b"), get_gpu("l4")
-    room = gpu.memory_bytes - RUNTIME_RESERVE_BYTES - weights_bytes(spec, "bf16")
+    served = kv_capacity(spec, gpu, context_tokens=1)
+    P = events[0].prompt_tokens
     last, finished = steps_of(events, "cached")[-1], events[-1]
     assert finished.reason == "out_of_memory"
-    assert last.kv_bytes <= room < kv_bytes(spec, last.position + 1)
-    assert finished.message == f"out of memory at {last.position + 1:,} tokens"
+    assert finished.steps == served.kv_capacity_tokens - P + 1
+    assert f"full at token {served.kv_capacity_tokens:,}" in finished.message
+    assert last.kv_bytes == kv_bytes(spec, served.kv_capacity_tokens)  # every slot filled
+    assert last.kv_bytes_allocated == served.kv_blocks * served.block_bytes_per_gpu
 
 
 def test_sim_refuses_weights_that_do_not_fit():
@@ -330,7 +335,9 @@ def test_sim_split_over_4_gpus_runs_each_gpus_share():
         link = tensor_parallel_step_link_bytes(spec, 1, 4) / gpu.interconnect_bytes_per_s
         assert s.step_seconds == roofline_seconds(s.flops, s.bytes_read, gpu) + link
     # against the whole model on one H200 (it fits there): each H100 reads a quarter of it
-    alone = RunSettings(engine="sim:llama-3.1-70b@h200", tokens=8, replay_speed=0)
+    alone = RunSettings(
+        engine="sim:llama-3.1-70b@h200", tokens=8, replay_speed=0, gpu_memory_utilization=1.0
+    )
     whole = steps_of(list(run_events(open_engine(alone), alone)), "cached")
     for split, one in zip(steps_of(events, "cached")[1:], whole[1:], strict=True):
         assert split.step_seconds < one.step_seconds / 2
