@@ -30,7 +30,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.message import Message
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
@@ -41,6 +41,7 @@ from kvtui.screens.live import LiveRun
 from kvtui.screens.memory import MemoryScreen, gpu_from_probe
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import model_names
+from kvtui.sim.memory import KVPool, step_budget
 
 MODES = ("recompute", "cache", "memory")
 """The lesson's screens, in order: keys 1, 2 and 3."""
@@ -135,15 +136,20 @@ class KVApp(App[int]):
     CSS_PATH = "kvtui.tcss"
     COMMANDS = App.COMMANDS | {EngineCommands}
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (140, "-wide")]
-    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall"), (42, "-taller")]
     """Size classes on every screen, for the stylesheet: 80x24 is -narrow -short."""
 
-    length: reactive[int] = reactive(256, init=False)
+    # `var`, not `reactive`: the App draws none of these, and a reactive would repaint the whole
+    # screen on every change (a key press), where the widgets that show them refresh themselves.
+    length: var[int] = var(256, init=False)
     """The answer length: `r` runs this many tokens (screens 1 and 2 show the run's own)."""
-    cache_on: reactive[bool] = reactive(True, init=False)
+    cache_on: var[bool] = var(True, init=False)
     """Whether screen 2 shows the cached loop beside the uncached one."""
-    device_gpu: reactive[str | None] = reactive(None, init=False)
+    device_gpu: var[str | None] = var(None, init=False)
     """The catalog GPU this machine's device matched (by name and memory), if any."""
+    kv_budget: var[int | None] = var(None, init=False)
+    """The KV pool `r` asks for (`--kv-budget`, then screen 3's keys); None: the engine's
+    default."""
 
     BINDINGS = [
         Binding("1", "screen(1)", "Screens", key_display="1 2 3"),
@@ -184,6 +190,9 @@ class KVApp(App[int]):
         self.engine: EngineHandle | None = None
         self._run_id = 0
         self.set_reactive(KVApp.length, self.validate_length(config.settings.tokens))
+        self.set_reactive(KVApp.kv_budget, config.settings.kv_budget_bytes)
+        self._default_pool: int | None = None
+        """The pool an engine took without a budget, once one has run: the budget keys' top."""
 
     # --- startup and screens -----------------------------------------------------------------
 
@@ -191,7 +200,9 @@ class KVApp(App[int]):
         screens = {
             "recompute": RecomputeScreen(self.live).data_bind(KVApp.length),
             "cache": CacheScreen(self.live).data_bind(KVApp.length, KVApp.cache_on),
-            "memory": MemoryScreen(self.live).data_bind(KVApp.device_gpu),
+            "memory": MemoryScreen(self.live).data_bind(
+                KVApp.device_gpu, KVApp.kv_budget, KVApp.length
+            ),
         }
         for mode, screen in screens.items():
             self.install_screen(screen, mode)
@@ -280,8 +291,37 @@ class KVApp(App[int]):
         self.notify(f"Restarted with engine {safe_text(engine)}", timeout=3, markup=False)
 
     def action_restart(self) -> None:
-        """Run again, exactly the chosen length."""
-        self.start_run(replace(self.live.settings, tokens=self.length))
+        """Run again, exactly the chosen length, on the chosen KV budget."""
+        self.start_run(
+            replace(self.live.settings, tokens=self.length, kv_budget_bytes=self.kv_budget)
+        )
+
+    def action_budget(self, direction: int) -> None:
+        """Screen 3's budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
+        engine's default (0); `r` runs it. Budgets are powers of two of bytes (see
+        `kvtui.sim.memory.step_budget`)."""
+        started = self.live.started
+        if started is None or started.kv_capacity_bytes is None or not started.kv_block_tokens:
+            self.notify(
+                "The running engine has no KV pool to budget (hf: keeps transformers' own cache)"
+                if started
+                else "The engine has not started yet",
+                timeout=4,
+            )
+            return
+        if direction == 0:
+            self.kv_budget = None
+            self.notify("Next run: the engine's default KV pool (press r)", timeout=3)
+            return
+        pool = KVPool(
+            started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
+        )
+        current = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
+        need = pool.blocks_for(started.prompt_tokens + self.length - 1) * pool.block_bytes
+        budget = step_budget(current, need, direction, smallest=pool.block_bytes)
+        if self._default_pool is not None:
+            budget = min(budget, self._default_pool)
+        self.kv_budget = budget
 
     def action_lesson(self) -> None:
         """Lesson mode on (a one-token prompt, 24 tokens: the lesson's figures, measured) or off
@@ -380,12 +420,14 @@ class KVApp(App[int]):
             self.live.apply(event)
             if isinstance(event, RunStarted):
                 self.length = self.length  # capped now that the model's limit is known
+                if self.live.settings.kv_budget_bytes is None:
+                    self._default_pool = event.kv_capacity_bytes
             if isinstance(event, RunFinished) and event.message and event.message != told:
-                fix = (
-                    f" r runs {self.length:,} tokens (at most {self.longest_run():,} fit)."
-                    if event.reason == "error"
-                    else ""
-                )
+                fix = {
+                    "error": f" r runs {self.length:,} tokens (at most {self.longest_run():,} "
+                    "fit).",
+                    "out_of_memory": " On screen 3, ] gives the next run a larger KV budget.",
+                }.get(event.reason, "")
                 self.notify(
                     f"The {event.loop} loop stopped: {safe_text(event.message)}." + fix,
                     title="Engine stopped",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtui.engine.protocol import Loop, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.sim.memory import KVPool
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
 
@@ -82,6 +83,49 @@ class LoopTrace:
         if sample.step_seconds > 0 and sample.step > 0:
             self.recent_bandwidth.append(sample.bytes_read / sample.step_seconds)
             del self.recent_bandwidth[:-RECENT_STEPS]
+
+
+@dataclass(frozen=True)
+class LivePool:
+    """The running engine's KV pool, and the cached loop's share of it after its last step."""
+
+    pool: KVPool
+    source: str
+    """Where its capacity came from, in words."""
+    prompt_tokens: int
+    run_tokens: int
+    allocated_bytes: int
+    """Whole blocks taken (measured: the engine's own count of its tensors' blocks)."""
+    filled_bytes: int
+    """Keys and values of the positions written."""
+    steps: int
+    full: str = ""
+    """The engine's message if the pool ran out (the run stopped there), else empty."""
+    freed: bool = False
+    """The cached loop has ended and handed its blocks back (the figures are its last)."""
+
+    @property
+    def blocks(self) -> int:
+        return self.allocated_bytes // self.pool.block_bytes
+
+    @property
+    def filled_tokens(self) -> int:
+        return self.filled_bytes // self.pool.kv_bytes_per_token
+
+    @property
+    def tail_bytes(self) -> int:
+        """Allocated but not yet filled: the last block's unused slots."""
+        return self.allocated_bytes - self.filled_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self.pool.capacity_bytes - self.allocated_bytes
+
+    @property
+    def stops_at(self) -> int | None:
+        """The token the cached loop stops at on this pool (predicted), None if the run fits."""
+        room = self.pool.tokens_before_full(self.prompt_tokens)
+        return room if room < self.run_tokens else None
 
 
 @dataclass
@@ -229,6 +273,30 @@ class LiveRun:
             return None
         return last.kv_bytes, self.started.kv_bytes_per_token * last.position
 
+    def pool(self) -> LivePool | None:
+        """The running engine's KV pool and what the cached loop holds of it now, measured; None
+        before the run starts or for an engine without a pool (`hf:`)."""
+        started = self.started
+        if started is None or started.kv_capacity_bytes is None or not started.kv_block_tokens:
+            return None
+        trace = self.loops["cached"]
+        last, finished = trace.last, trace.finished
+        return LivePool(
+            pool=KVPool(
+                started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
+            ),
+            source=started.kv_pool_source,
+            prompt_tokens=started.prompt_tokens,
+            run_tokens=started.tokens,
+            allocated_bytes=last.kv_bytes_allocated if last else 0,
+            filled_bytes=last.kv_bytes if last else 0,
+            steps=trace.steps,
+            full=finished.message
+            if finished is not None and finished.reason == "out_of_memory"
+            else "",
+            freed=finished is not None,
+        )
+
     def status_line(self) -> str:
         """The run state in a few words, for the header."""
         total = self.run_tokens
@@ -248,4 +316,7 @@ class LiveRun:
         else:
             each = ", ".join(f"{loop} {self.loops[loop].steps:,}" for loop in self.settings.loops)
             words += f" · {each} of {total:,}"
+        cached = self.loops["cached"].finished
+        if cached is not None and cached.reason == "out_of_memory":
+            words += " · cached loop stopped: KV cache full"
         return words + (" · lesson mode" if self.settings.lesson else "")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from functools import partial
 
 from rich.markup import escape
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
@@ -14,6 +16,8 @@ from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
+from kvtui.engine.protocol import EngineError
+from kvtui.engine.spec import parse_engine
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
@@ -24,9 +28,10 @@ from kvtui.format import (
     safe_text,
 )
 from kvtui.screens.base import LessonScreen
-from kvtui.screens.live import LiveRun
+from kvtui.screens.live import LivePool, LiveRun
 from kvtui.sim.catalog import (
     GIB,
+    UnknownNameError,
     dtype_names,
     get_gpu,
     get_model,
@@ -34,10 +39,10 @@ from kvtui.sim.catalog import (
     match_gpu,
     model_names,
 )
-from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
+from kvtui.sim.memory import LESSON_BUDGET, Budget, KVPool, budget, kv_bytes, vram_split
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
-from kvtui.widgets.vram import VramBar
+from kvtui.widgets.vram import Bar, Part, VramBar, whatif_bar
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 MIN_CONTEXT, MAX_CONTEXT = 1, 16_777_216
@@ -96,6 +101,9 @@ class MemoryScreen(LessonScreen):
 
     BINDINGS = [
         Binding("right", "context(1)", "Context", key_display="←→ -+"),
+        Binding("left_square_bracket", "app.budget(-1)", "Budget", key_display="[ ]"),
+        Binding("right_square_bracket", "app.budget(1)", "Budget +", show=False),
+        Binding("backslash", "app.budget(0)", "Default budget", show=False),
         Binding("left", "context(-1)", "Context -", show=False),
         Binding("plus,equals_sign", "context_scale(2)", "Context x2", show=False),
         Binding("minus", "context_scale(0.5)", "Context /2", show=False),
@@ -112,18 +120,27 @@ class MemoryScreen(LessonScreen):
     context: reactive[int] = reactive(LESSON_BUDGET.context_tokens, init=False)
     device_gpu: reactive[str | None] = reactive(None, init=False)
     """The catalog GPU this machine's device matched (the App's, followed)."""
+    kv_budget: reactive[int | None] = reactive(None, init=False)
+    """The KV pool the next run asks for (the App's, followed); None: the engine's default."""
+    length: reactive[int] = reactive(256, init=False)
+    """The answer length the next run generates (the App's, followed)."""
 
     def __init__(self, live: LiveRun, *, name: str | None = None) -> None:
         super().__init__(live, name=name)
-        self._gpu_chosen = False
+        self._gpu_chosen = self._model_chosen = False
+        self._followed = ""
+        """The engine the what-if last followed."""
 
     def compose_body(self) -> ComposeResult:
+        yield VramBar(id="live-bar")
+        yield Static("", id="live-status")
+        yield Static("", id="whatif-title")
         with Horizontal(classes="cards"):
             yield StatCard("KV CACHE", id="kv")
-            yield StatCard("OF VRAM", id="share")
+            yield StatCard("ALL IN USE", id="share")
             yield StatCard("STATUS", id="status")
             yield StatCard("MAX CONTEXT", id="max-context")
-        yield VramBar()
+        yield VramBar(id="whatif-bar")
         with Horizontal(classes="middle"):
             with Vertical(classes="chart-box"):
                 yield Chart(id="memory-chart")
@@ -152,6 +169,7 @@ class MemoryScreen(LessonScreen):
     def choose(self, *, model: str | None = None, gpu: str | None = None) -> None:
         """Set the model or GPU (from the command palette)."""
         if model is not None:
+            self._model_chosen = True
             self.model = get_model(model).name
         if gpu is not None:
             self._gpu_chosen = True
@@ -171,6 +189,7 @@ class MemoryScreen(LessonScreen):
         return values[(values.index(current) + 1) % len(values)] if current in values else values[0]
 
     def action_next_model(self) -> None:
+        self._model_chosen = True
         self.model = self._next(model_names(), self.model)
 
     def action_next_gpu(self) -> None:
@@ -208,7 +227,7 @@ class MemoryScreen(LessonScreen):
         kv.value = format_bytes(b.kv_bytes)
         kv.note = f"{format_bytes(b.kv_bytes_per_token)}/token"
         share = self.query_one("#share", StatCard)
-        share.value = format_percent(b.kv_fraction_of_vram)
+        share.value = format_percent(b.used_bytes / b.vram_bytes)
         share.note = f"of {format_bytes(b.vram_bytes)}"
         status = self.query_one("#status", StatCard)
         status.value = "OVERFLOW" if over else "FITS"
@@ -221,10 +240,18 @@ class MemoryScreen(LessonScreen):
         else:
             longest.value = format_int(b.max_context_tokens)
             longest.note = f"tokens x {b.batch}"
-        self.query_one(VramBar).show(
-            vram_split(b),
+        self.query_one("#whatif-bar", VramBar).show(
+            whatif_bar(
+                vram_split(b), (b.weights_bytes, b.kv_bytes, b.reserve_bytes, max(0, b.free_bytes))
+            ),
             f"{b.gpu_label}: {format_bytes(b.vram_bytes)}",
-            (b.weights_bytes, b.kv_bytes, b.reserve_bytes, max(0, b.free_bytes)),
+        )
+        self.query_one("#whatif-title", Static).update(
+            Text.assemble(
+                ("WHAT-IF", "bold"),
+                (" (modelled, the catalog's figures): ", "dim"),
+                f"{b.model_label} on {b.gpu_label}{self._gpu_why()}",
+            )
         )
         self.set_class(over, "-overflow")
         self.query_one("#scenario", Static).update(
@@ -254,9 +281,136 @@ class MemoryScreen(LessonScreen):
         if device_gpu is not None and not self._gpu_chosen:
             self.gpu = device_gpu
 
+    def watch_kv_budget(self) -> None:
+        self.mark_dirty()
+
+    def _follow_the_run(self) -> None:
+        """Start the what-if from the running model (and a `sim:` engine's GPU), unless the
+        presenter chose them by hand; once per run's engine."""
+        engine = self.live.settings.engine
+        if engine == self._followed:
+            return
+        self._followed = engine
+        try:
+            spec = parse_engine(engine)
+        except EngineError:
+            return
+        name = "tiny-austen" if spec.kind == "tiny" else spec.model
+        if spec.kind in ("tiny", "shape", "sim") and name and not self._model_chosen:
+            with contextlib.suppress(UnknownNameError):
+                model = get_model(name)
+                self.model = model.name
+                self.context = min(self.context, model.max_context)
+        if spec.kind == "sim" and spec.gpu and not self._gpu_chosen and self.device_gpu is None:
+            with contextlib.suppress(UnknownNameError):
+                self.gpu = get_gpu(spec.gpu).name
+
+    def _gpu_why(self) -> str:
+        """Why the what-if budgets this GPU, in a few words."""
+        if self._gpu_chosen:
+            return ""
+        if self.device_gpu == self.gpu:
+            return " (this machine's GPU)"
+        if self._followed.startswith("sim:"):
+            return " (the sim engine's GPU)"
+        return " (an example: no GPU here)" if self.device_gpu is None else ""
+
     def redraw(self) -> None:
+        self._follow_the_run()
+        self._show_live_pool()
         self.query_one("#live-line", Static).update(self._live_words())
         self.query_one("#memory-chart", Chart).draw(self._draw_memory)
+
+    # --- the live pool -----------------------------------------------------------------------
+
+    def _show_live_pool(self) -> None:
+        """The running engine's memory, measured: weights, KV filled, the last block's unused
+        tail, the free pool (and, on a GPU, the rest of the device), red once the pool ran out."""
+        bar = self.query_one("#live-bar", VramBar)
+        status = self.query_one("#live-status", Static)
+        started, live = self.live.started, self.live.pool()
+        if started is None:
+            bar.show(Bar((), 1), "LIVE: the running engine's memory, once it starts")
+            status.update("")
+            return
+        how = "measured" if self.live.timing == "measured" else "modelled"
+        where = safe_text(started.device.split(" (")[0], one_line=True)
+        title = f"LIVE ({how}): {safe_text(started.model, one_line=True)} on {where}"
+        if live is None:
+            bar.show(Bar((), 1), f"{title}: no KV pool")
+            status.update(
+                "This run reports no KV pool: an hf: model keeps transformers' own cache (sized "
+                "for the run), and a replay shows what was recorded. The budget keys apply to "
+                "kvtui's own engines (tiny, shape:, sim:)."
+            )
+            return
+        pool = live.pool
+        kv = [
+            Part("KV filled", live.filled_bytes, "kv", f"({format_int(live.filled_tokens)} tok)"),
+            Part("block tail", live.tail_bytes, "tail"),
+            Part("free pool", live.free_bytes, "free"),
+        ]
+        total = started.device_memory_total_bytes
+        if total:  # a GPU, real or modelled: the pool shares it with the weights
+            rest = max(0, total - started.weights_bytes - pool.capacity_bytes)
+            parts = (
+                Part("weights", started.weights_bytes, "weights"),
+                *kv,
+                Part("not for KV", rest, "reserve"),
+            )
+            shown = Bar(parts, total, full=bool(live.full))
+            capacity = f"{format_bytes(total)} of device memory"
+        else:  # a CPU: the pool is the budget; the weights sit beside it
+            note = f"· weights {format_bytes(started.weights_bytes)} beside it"
+            shown = Bar(tuple(kv), pool.capacity_bytes, full=bool(live.full), note=note)
+            capacity = "its KV pool"
+        bar.show(
+            shown,
+            f"{title} · {capacity}",
+            f"KV pool {format_bytes(pool.capacity_bytes)} ({live.source}) · "
+            f"blocks of {pool.block_tokens}",
+        )
+        status.update(self._pool_words(live))
+        status.set_class(bool(live.full), "-bad")
+
+    def _pool_words(self, live: LivePool) -> Text:
+        """What the pool holds, predicted, against what the run did, measured; and the budget
+        the next run will have."""
+        pool, P = live.pool, live.prompt_tokens
+        predicted = live.stops_at
+        words = Text()
+        if live.full:
+            words.append(f"Stopped: {safe_text(live.full, one_line=True)}. ", style="bold")
+            words.append(
+                f"Measured: {format_int(live.steps)} tokens, predicted "
+                f"{format_int(pool.tokens_before_full(P))}. "
+            )
+        else:
+            words.append(
+                f"{format_int(live.blocks)} of {format_int(pool.blocks)} blocks taken "
+                f"({format_bytes(live.allocated_bytes)}). Holds {format_int(pool.tokens)} "
+                "tokens: "
+            )
+            words.append(
+                f"this run stops after {format_int(predicted)} of its "
+                f"{format_int(live.run_tokens)} (predicted). "
+                if predicted is not None
+                else f"this run's {format_int(P + live.run_tokens)} fit. "
+            )
+        budget = self.kv_budget
+        if budget is not None and budget != pool.capacity_bytes:
+            nxt = KVPool(budget, pool.block_tokens, pool.kv_bytes_per_token)
+            room = nxt.tokens_before_full(P)
+            after = (
+                f"it stops after {format_int(room)} tokens"
+                if room < self.length
+                else f"{format_int(self.length)} tokens fit"
+            )
+            words.append(
+                f"Next run: {format_bytes(budget)} holds {format_int(nxt.tokens)}, {after}: r.",
+                style="bold",
+            )
+        return words
 
     def _live_words(self) -> str:
         """The running engine, measured: KV held against the formula, device memory, achieved

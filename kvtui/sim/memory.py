@@ -780,6 +780,20 @@ class KVPool:
         }
 
 
+def step_budget(current: int, need: int, direction: int, *, smallest: int) -> int:
+    """The KV budget one key press from `current` (bytes), for a run that fills `need` bytes:
+    powers of two. Down (-1) from a budget more than twice the run's need, the first press lands
+    on the smallest power of two that holds the run whole (so a presenter is one press from a
+    run that fits exactly and two from one that stops halfway); otherwise it halves. Up (1) is
+    the next power of two. Never below the power of two that holds `smallest` (one block)."""
+    floor = 1 << max(0, smallest - 1).bit_length()
+    if direction < 0:
+        fits = 1 << max(0, need - 1).bit_length()
+        target = fits if current > 2 * need else 1 << max(0, current - 1).bit_length() - 1
+        return max(floor, min(target, current))
+    return max(floor, 1 << current.bit_length())
+
+
 def gpu_pool_bytes(total_bytes: int, free_bytes: int, gpu_memory_utilization: float) -> int:
     """The KV pool a torch engine takes on a GPU without `--kv-budget`, as vLLM sizes its cache
     (`determine_available_memory`): its share of the whole device, floor(total x utilization),

@@ -1,6 +1,8 @@
-"""A VRAM bar: weights | KV cache | runtime and other | free, red past the GPU's capacity."""
+"""A memory bar: named parts in proportion to a capacity, a legend, red when it overflows."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from rich.console import RenderableType
 from rich.style import Style
@@ -12,11 +14,54 @@ from kvtui.format import format_bytes
 from kvtui.sim.memory import VramSplit
 
 
-class VramBar(Widget):
-    """One bar the width of the widget, its parts in proportion to the GPU's memory, and a legend.
+@dataclass(frozen=True)
+class Part:
+    """One part of a bar: its name, its bytes, and its look (a component class of `VramBar`)."""
 
-    `overflow` is a reactive turned into the `-overflow` CSS class: the KV part, the border and
-    the legend's overflow note take the theme's error colour.
+    name: str
+    bytes: int
+    look: str
+    """"weights", "kv", "tail", "reserve" or "free"."""
+    detail: str = ""
+    """Said after its size in the legend: "(278 tokens)"."""
+
+
+@dataclass(frozen=True)
+class Bar:
+    """What a `VramBar` draws: parts that fill `capacity_bytes` (clipped to it in order), how
+    many bytes did not fit, and whether the bar is red."""
+
+    parts: tuple[Part, ...]
+    capacity_bytes: int
+    overflow_bytes: int = 0
+    full: bool = False
+    """Red without an overflow: a pool that ran out (the next block had nowhere to go)."""
+    note: str = ""
+    """Said at the end of the legend: "weights 13.3 MiB beside it"."""
+
+    @property
+    def red(self) -> bool:
+        return self.full or self.overflow_bytes > 0
+
+
+def whatif_bar(split: VramSplit, wanted: tuple[int, int, int, int]) -> Bar:
+    """A budget's GPU as weights | KV cache | runtime | free: the bar clipped to the GPU
+    (`split`), the legend the sizes wanted."""
+    weights, kv, reserve, free = wanted
+    parts = (
+        Part("weights", weights, "weights"),
+        Part("KV cache", kv, "kv"),
+        Part("runtime", reserve, "reserve"),
+        Part("free", free if not split.overflow_bytes else 0, "free"),
+    )
+    return Bar(parts, split.vram_bytes, split.overflow_bytes)
+
+
+class VramBar(Widget):
+    """One bar the width of the widget, its parts in proportion to a capacity, and a legend.
+
+    `red` is a reactive turned into the `-overflow` CSS class: the KV parts, the border and the
+    legend's overflow note take the theme's error colour.
     """
 
     DEFAULT_CSS = """
@@ -29,74 +74,76 @@ class VramBar(Widget):
     }
     VramBar > .vram--weights { background: $primary; color: $text; }
     VramBar > .vram--kv { background: $warning; color: $text; }
+    VramBar > .vram--tail { background: $warning 45%; color: $text; }
     VramBar > .vram--reserve { background: $secondary 70%; color: $text; }
     VramBar > .vram--free { background: $surface-lighten-1; color: $text-muted; }
     VramBar > .vram--over { color: $error; text-style: bold; }
     VramBar.-overflow { border: round $error; border-title-color: $error; }
     VramBar.-overflow > .vram--kv { background: $error; color: $text; }
+    VramBar.-overflow > .vram--tail { background: $error 55%; color: $text; }
     """
 
-    COMPONENT_CLASSES = {"vram--weights", "vram--kv", "vram--reserve", "vram--free", "vram--over"}
+    COMPONENT_CLASSES = {
+        "vram--weights",
+        "vram--kv",
+        "vram--tail",
+        "vram--reserve",
+        "vram--free",
+        "vram--over",
+    }
 
-    overflow: reactive[bool] = reactive(False)
-    split: reactive[VramSplit | None] = reactive(None)
-    _wanted: tuple[int, int, int, int] | None = None
+    red: reactive[bool] = reactive(False)
+    bar: reactive[Bar | None] = reactive(None)
 
-    def watch_overflow(self, overflow: bool) -> None:
-        self.set_class(overflow, "-overflow")
+    def watch_red(self, red: bool) -> None:
+        self.set_class(red, "-overflow")
 
-    def show(
-        self, split: VramSplit, title: str, wanted: tuple[int, int, int, int] | None = None
-    ) -> None:
-        """Draw `split`; the legend gives the `wanted` sizes (weights, KV, runtime, free) when
-        they differ from the clipped ones shown in the bar."""
+    def show(self, bar: Bar, title: str, subtitle: str = "") -> None:
         self.border_title = title
-        self._wanted = wanted
-        self.overflow = split.overflow_bytes > 0
-        self.split = split
+        self.border_subtitle = subtitle
+        self.red = bar.red
+        self.bar = bar
 
-    def _widths(self, split: VramSplit, width: int) -> list[int]:
-        """Cells per part: proportional, at least one for any part that is not empty."""
-        parts = [split.weights_bytes, split.kv_bytes, split.reserve_bytes, split.free_bytes]
-        total = max(1, split.vram_bytes)
-        cells = [0 if p <= 0 else max(1, round(width * p / total)) for p in parts]
+    @staticmethod
+    def widths(bar: Bar, width: int) -> list[int]:
+        """Cells per part, clipped to the capacity in order: proportional, at least one for any
+        part that is shown at all."""
+        left, shown = bar.capacity_bytes, []
+        for part in bar.parts:
+            size = max(0, min(part.bytes, left))
+            shown.append(size)
+            left -= size
+        total = max(1, bar.capacity_bytes)
+        cells = [0 if p <= 0 else max(1, round(width * p / total)) for p in shown]
         while sum(cells) > width:
-            i = cells.index(max(cells))
-            cells[i] -= 1
-        if sum(cells) < width:
-            i = cells.index(max(cells))
-            cells[i] += width - sum(cells)
+            cells[cells.index(max(cells))] -= 1
+        if 0 < sum(cells) < width:
+            cells[cells.index(max(cells))] += width - sum(cells)
         return cells
 
     def render(self) -> RenderableType:
-        split = self.split
+        bar = self.bar
         width = self.content_size.width
-        if split is None or width <= 0:
+        if bar is None or width <= 0:
             return Text("")
-        names = ("weights", "KV cache", "runtime", "free")
-        classes = ("vram--weights", "vram--kv", "vram--reserve", "vram--free")
-        sizes = self._wanted or (
-            split.weights_bytes,
-            split.kv_bytes,
-            split.reserve_bytes,
-            split.free_bytes,
-        )
-        bar = Text(no_wrap=True)
-        for cells, name, cls in zip(self._widths(split, width), names, classes, strict=False):
-            if cells <= 0:
-                continue
-            label = f" {name}"[:cells].ljust(cells)
-            bar.append(label, style=self.get_component_rich_style(cls))
+        line = Text(no_wrap=True)
+        for cells, part in zip(self.widths(bar, width), bar.parts, strict=True):
+            if cells > 0:
+                style = self.get_component_rich_style(f"vram--{part.look}")
+                line.append(f" {part.name}"[:cells].ljust(cells), style=style)
         legend = Text(no_wrap=True, overflow="ellipsis")
-        for name, cls, size in zip(names, classes, sizes, strict=False):
-            if name == "free" and split.overflow_bytes:
+        for part in bar.parts:
+            if part.look == "free" and bar.red and part.bytes <= 0:
                 continue  # nothing is free: the overflow note says by how much
-            swatch = self.get_component_rich_style(cls)
+            swatch = self.get_component_rich_style(f"vram--{part.look}")
             legend.append("■", style=Style(color=swatch.bgcolor))
-            legend.append(f" {name} {format_bytes(size)}  ")
-        if split.overflow_bytes:
+            detail = f" {part.detail}" if part.detail else ""
+            legend.append(f" {part.name} {format_bytes(part.bytes)}{detail}  ")
+        if bar.overflow_bytes:
             legend.append(
-                f"{format_bytes(split.overflow_bytes)} over",
+                f"{format_bytes(bar.overflow_bytes)} over",
                 style=self.get_component_rich_style("vram--over"),
             )
-        return Text("\n").join([bar, legend])
+        if bar.note:
+            legend.append(bar.note)
+        return Text("\n").join([line, legend])

@@ -13,7 +13,7 @@ from kvtui.engine.protocol import (
     run_events,
 )
 from kvtui.sim.catalog import get_gpu, get_model
-from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
+from kvtui.sim.memory import kv_bytes_per_token, kv_capacity, weights_bytes
 from kvtui.sim.work import (
     cached_step_positions,
     decode_step_bytes,
@@ -89,6 +89,9 @@ def sim_events(
         peak_bandwidth_bytes_per_s=card.bandwidth_bytes_per_s,
         device_memory_total_bytes=card.memory_bytes,
         prompt_text=" ".join(WORDS[:prompt]),
+        kv_capacity_bytes=kv_capacity(spec, card, 1).kv_bytes_available_per_gpu,
+        kv_block_tokens=16,
+        kv_pool_source="modelled",
     )
     steps: dict[str, list[StepSample]] = {loop: [] for loop in settings.loops}
     for step in range(settings.tokens):
@@ -124,6 +127,7 @@ def sim_events(
                     bytes_read=bytes_read,
                     step_seconds=seconds,
                     kv_bytes=per_token * position if cached else 0,  # positions 0..position-1
+                    kv_bytes_allocated=-(-position // 16) * 16 * per_token if cached else 0,
                 )
             )
     return list(run_events(_Steps(started, steps), settings))

@@ -41,7 +41,7 @@ async def test_screen3_budgets_for_the_probed_gpu():
     async with app.run_test(size=(100, 30)) as pilot:
         await settle(app, pilot)
         assert app.screen.gpu == "l40s"
-        assert "NVIDIA L40S: 48 GiB" in screen_text(app)
+        assert "on NVIDIA L40S (this machine's GPU)" in screen_text(app)
 
 
 async def test_screen3_keeps_its_default_for_a_gpu_the_catalog_lacks():

@@ -188,10 +188,10 @@ async def test_screen3_turns_red_past_capacity_and_clears_below():
         assert isinstance(app.screen, MemoryScreen)
         assert (card(app, "kv"), card(app, "share"), card(app, "status")) == (
             "23.4 GiB",
-            "29%",
+            "49%",  # weights 15 + KV 23.4 + runtime 1 of 80 GiB
             "FITS",
         )
-        bar = app.screen.query_one(VramBar)
+        bar = app.screen.query_one("#whatif-bar", VramBar)
         assert not bar.has_class("-overflow")
         await pilot.press("plus", "plus")  # 96,000 tokens x 8 sequences
         assert card(app, "status") == "OVERFLOW"

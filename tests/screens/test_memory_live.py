@@ -1,0 +1,137 @@
+"""Screen 3's live pool: the running engine's KV cache fills a budget, the bar turns red, the
+run stops where the pool predicts, and a larger budget runs again; the what-if beside it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from conftest import PROBE, screen_text, wait_for
+from fakes import FakeEngine
+from textual.widgets import Static
+
+from kvtui.app import make_app
+from kvtui.engine.protocol import RunSettings, run_events
+from kvtui.engine.spec import open_engine
+from kvtui.screens.memory import MemoryScreen
+from kvtui.sim.catalog import get_gpu, get_model, gpu_names, model_names
+from kvtui.sim.memory import KVPool, budget, kv_bytes_per_token
+from kvtui.widgets.vram import VramBar
+
+SIZE = (100, 30)
+SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=64, lesson=True, replay_speed=0)
+PER_TOKEN = 131_072  # Llama 3.1 8B, bf16: 2 x 32 layers x 8 KV heads x 128 x 2 bytes
+
+
+def sim_app(settings: RunSettings):
+    """The app over the real roofline engine, its events computed in this process."""
+
+    def engine(s: RunSettings) -> FakeEngine:
+        return FakeEngine(s, events=list(run_events(open_engine(s), s)))
+
+    return make_app(settings, 3, probe=PROBE, engine_factory=engine)
+
+
+def words(app) -> str:
+    """The screen's text with its line breaks and runs of spaces made single spaces."""
+    return " ".join(screen_text(app).split())
+
+
+def finished(app) -> bool:
+    return app.live.state in ("done", "failed")
+
+
+async def test_a_small_budget_stops_the_run_red_and_a_larger_one_runs_again():
+    app = sim_app(replace(SIM, kv_budget_bytes=4 << 20))  # 32 tokens of 128 KiB
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        await pilot.pause()
+        assert isinstance(app.screen, MemoryScreen)
+        predicted = KVPool(4 << 20, 16, PER_TOKEN).tokens_before_full(1)
+        assert predicted == 32
+        assert app.live.loop("cached").steps == predicted
+        bar = app.screen.query_one("#live-bar", VramBar)
+        assert bar.has_class("-overflow")
+        assert "KV cache full" in screen_text(app).splitlines()[0]  # the header says it stopped
+        text = words(app)
+        assert "Stopped: the KV cache is full at token 32" in text
+        assert "Measured: 32 tokens, predicted 32" in text
+        assert "4 MiB (--kv-budget)" in text
+        await pilot.press("right_square_bracket")  # 8 MiB: the 64 tokens' 64 positions
+        assert app.kv_budget == 8 << 20
+        await wait_for(pilot, lambda: "Next run" in words(app))
+        assert "Next run: 8 MiB holds 64, 64 tokens fit: r." in words(app)
+        await pilot.press("r")
+        await wait_for(pilot, lambda: finished(app) and app.live.started is not None)
+        await pilot.pause()
+        assert app.live.loop("cached").steps == 64
+        assert app.live.loop("cached").finished.reason == "done"
+        await wait_for(pilot, lambda: not bar.has_class("-overflow"))
+        assert "KV cache full" not in screen_text(app)
+
+
+async def test_the_budget_keys_step_by_powers_of_two_from_the_runs_own_size():
+    app = sim_app(SIM)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        default = app.live.started.kv_capacity_bytes
+        assert default > 8 << 20  # the modelled H100's room: gigabytes
+        await pilot.press("left_square_bracket")  # one press: the run's own size
+        assert app.kv_budget == 8 << 20  # 1 + 63 positions x 128 KiB, a power of two
+        await pilot.press("left_square_bracket")
+        assert app.kv_budget == 4 << 20
+        await pilot.press("r")
+        await wait_for(pilot, lambda: finished(app) and app.live.settings.kv_budget_bytes)
+        assert app.live.loop("cached").finished.reason == "out_of_memory"
+        await pilot.press("backslash")  # the engine's default again
+        assert app.kv_budget is None
+        await pilot.press("r")
+        await wait_for(pilot, lambda: finished(app) and app.live.started is not None)
+        assert app.live.started.kv_capacity_bytes == default
+
+
+async def test_the_live_bar_counts_weights_blocks_slots_and_the_free_pool():
+    """Filled + the last block's tail + free = the pool; the parts are the engine's own."""
+    app = sim_app(replace(SIM, tokens=40))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        await pilot.pause()
+        live = app.live.pool()
+        assert live.filled_bytes == 40 * PER_TOKEN  # positions 0..39 cached after 40 steps
+        assert live.allocated_bytes == 3 * 16 * PER_TOKEN and live.blocks == 3
+        assert live.tail_bytes == 8 * PER_TOKEN
+        assert live.filled_bytes + live.tail_bytes + live.free_bytes == live.pool.capacity_bytes
+        parts = {p.name: p.bytes for p in app.screen.query_one("#live-bar", VramBar).bar.parts}
+        assert parts["KV filled"] == live.filled_bytes and parts["block tail"] == live.tail_bytes
+        assert parts["weights"] == app.live.started.weights_bytes
+        text = words(app)
+        assert "3 of" in text and "blocks taken" in text and "this run's 41 fit" in text
+
+
+async def test_the_what_if_starts_from_the_running_model_and_is_labelled():
+    app = sim_app(replace(SIM, engine="sim:llama-3.2-1b@l4"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        await pilot.pause()
+        assert (app.screen.model, app.screen.gpu) == ("llama-3.2-1b", "l4")
+        title = str(app.screen.query_one("#whatif-title", Static).render())
+        assert title.startswith("WHAT-IF (modelled") and "the sim engine's GPU" in title
+
+
+def test_the_share_card_never_contradicts_the_status():
+    """ALL IN USE counts weights + KV + runtime: at or under 100% exactly when it fits."""
+    for model in model_names():
+        for gpu in gpu_names():
+            spec, card = get_model(model), get_gpu(gpu)
+            for context in (1_000, 32_000, 128_000):
+                b = budget(spec, card, min(context, spec.max_context), 8)
+                assert (b.used_bytes / b.vram_bytes <= 1) == b.fits, (model, gpu, context)
+
+
+async def test_at_80x24_the_live_pool_and_what_if_are_both_on_screen():
+    app = sim_app(replace(SIM, kv_budget_bytes=4 << 20))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        await pilot.pause()
+        text = words(app)
+        assert "LIVE (modelled)" in text and "WHAT-IF" in text and "Stopped:" in text
+        assert kv_bytes_per_token(get_model("llama-3.1-8b")) == PER_TOKEN
