@@ -7,7 +7,11 @@
 # 2. `kvtui bench --device cuda --json --record` on tiny, shape:llama-3.2-1b and
 #    shape:llama-3.1-8b: both loops, same tokens, KV bytes measured against the formula, and every
 #    step recorded, so the run can be replayed on a laptop (`kvtui --engine replay:FILE`);
-# 3. a summary: tokens/s, identical ids, KV bytes, and the memory bandwidth a cached step achieves
+# 3. the KV pool: shape:llama-3.1-8b with `--kv-budget 32MiB` (256 positions of 128 KiB: the
+#    cached loop must stop out_of_memory after 256 - 44 + 1 = 213 tokens), and the default run's
+#    pool (the GPU's share, --gpu-memory-utilization 0.9) as the engine sized it;
+# 4. a summary: tokens/s, identical ids, the pool, KV bytes allocated and filled against the
+#    formula, how the cached loop ended, and the memory bandwidth a cached step achieves
 #    (weights + KV bytes read / step time) against the GPU's peak from NVML.
 #
 # DEVICE, ENGINES and TOKENS override the defaults (DEVICE=cpu ENGINES=tiny TOKENS=32 tries the
@@ -39,8 +43,16 @@ for engine in $engines; do
     fi
 done
 
+budgeted="shape:llama-3.1-8b"
+echo "== kvtui bench --engine $budgeted --device $device --tokens 400 --kv-budget 32MiB"
+if ! python -m kvtui bench --engine "$budgeted" --device "$device" --tokens 400 --seed 1 \
+    --kv-budget 32MiB --json >"$out/budget-32MiB.json" 2>"$out/budget-32MiB.err"; then
+    failed=1
+    tail -3 "$out/budget-32MiB.err"
+fi
+
 echo "== summary"
-python - "$out" $engines <<'EOF' | tee "$out/summary.txt"
+python - "$out" $engines budget-32MiB <<'EOF' | tee "$out/summary.txt"
 import json
 import sys
 from pathlib import Path
@@ -56,12 +68,21 @@ for engine in sys.argv[2:]:
     c, u = r["cached"], r["uncached"]
     achieved, peak = r.get("achieved_bandwidth_bytes_per_s"), r.get("peak_bandwidth_bytes_per_s")
     share = f" = {achieved / peak:.0%} of peak {peak / 1e9:.0f} GB/s" if achieved and peak else ""
+    pool = r.get("kv_capacity_bytes")
+    pool_words = (
+        f"pool {pool / 2**30:.2f} GiB ({r.get('kv_pool_source')}), blocks of {r['kv_block_tokens']}"
+        if pool is not None
+        else "no pool"
+    )
+    ended = c["finished"] or {}
     print(
         f"{engine} on {r['device']} ({r['dtype']}): cached {c['tokens_per_s']:.1f} tok/s "
         f"(p50 {c['step_ms_p50']:.2f} ms), uncached {u['tokens_per_s']:.1f} tok/s; "
-        f"identical={r['identical']}; KV {r['kv_bytes_measured']:,} B measured, "
-        f"{r['kv_bytes_formula']:,} B by the formula; cached step reads "
-        f"{(achieved or 0) / 1e9:.1f} GB/s{share}"
+        f"identical={r['identical']} over {r['compared_tokens']}; {pool_words}; KV "
+        f"{r['kv_bytes_allocated']:,} B allocated ({r['kv_blocks_allocated']} blocks), "
+        f"{r['kv_bytes_filled']:,} B filled, {r['kv_bytes_formula']:,} B by the formula; "
+        f"cached loop {ended.get('reason')} after {ended.get('steps')} tokens "
+        f"{ended.get('message', '')}; cached step reads {(achieved or 0) / 1e9:.1f} GB/s{share}"
     )
 EOF
 exit $failed

@@ -14,7 +14,7 @@ HELP = """\
 Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/b] (dotted).
 [b]1[/b] Without a cache, every step recomputes all tokens' keys and values.
 [b]2[/b] With the cache each step computes one new position and reads the rest.
-[b]3[/b] The cache grows with each token and sequence until GPU memory runs out.
+[b]3[/b] The cache grows with each token and sequence until its memory runs out.
 [b]Device[/b] {device}
   1 2 3        switch screen
   space        pause / resume the engine
@@ -23,7 +23,8 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
   l            lesson mode: a 1-token prompt, the lesson's exact counts
   c            cache on / off (2)
   v            work per step or running totals (2, short terminals)
-  m g k b      model, GPU, KV dtype, batch (3)
+  [ ] \\        next run's KV budget: smaller, larger, default (3)
+  m g k b      what-if model, GPU, KV dtype, batch (3)
   t            explain it back: the lesson's questions
   ctrl+p       command palette: engine, model and GPU
   ?            this help (escape closes it)

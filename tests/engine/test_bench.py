@@ -317,3 +317,31 @@ def test_bench_times_the_first_token_apart_from_the_later_ones(capsys):
     prefill_rate = out["prompt_tokens"] / cached["ttft_s"]
     assert cached["first_step_positions_per_s"] == pytest.approx(prefill_rate)
     assert cached["later_step_positions_per_s"] == pytest.approx(1 / cached["tpot_s"])
+
+
+def test_bench_reports_the_pool_and_where_the_cached_loop_stopped(capsys):
+    """96 KiB is 2 blocks of 16 tokens of the shipped model's 3,072 bytes: 32 positions."""
+    r = bench_json(
+        capsys, "--device", "cpu", "--lesson", "--tokens", "40", "--greedy", "--kv-budget", "96KiB"
+    )
+    assert r["kv_capacity_bytes"] == 96 * 1024 and r["kv_block_tokens"] == 16
+    assert r["cached"]["finished"]["reason"] == "out_of_memory"
+    assert r["cached"]["finished"]["steps"] == 32 and r["cached"]["tokens"] == 32
+    assert "full at token 32" in r["cached"]["finished"]["message"]
+    assert r["uncached"]["finished"] == {"reason": "done", "steps": 40, "message": ""}
+    assert r["kv_blocks_allocated"] == 2 and r["kv_bytes_allocated"] == 96 * 1024
+    assert r["kv_bytes_filled"] == r["kv_bytes_formula"] == 32 * 3072
+    assert r["identical"] is True and r["compared_tokens"] == 32  # as far as both got
+    assert (
+        main(["bench", "--device", "cpu", "--lesson", "--tokens", "40", "--kv-budget", "96KiB"])
+        == 0
+    )
+    table = capsys.readouterr().out
+    assert "KV pool: 96 KiB (--kv-budget), blocks of 16 tokens" in table
+    assert "96 KiB allocated (2 blocks)" in table and "full at token 32" in table
+
+
+def test_the_budget_is_refused_where_kvtui_keeps_no_pool(capsys, tmp_path):
+    assert main(["bench", "--model", str(tmp_path), "--kv-budget", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not to hf:" in err
