@@ -20,11 +20,18 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 from kvtui import __version__
-from kvtui.engine.protocol import DEFAULT_PROMPT, MAX_TOKENS, EngineError, RunSettings
+from kvtui.engine.protocol import (
+    DEFAULT_PROMPT,
+    MAX_RUN_BATCH,
+    MAX_TOKENS,
+    EngineError,
+    RunSettings,
+)
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
@@ -160,6 +167,42 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int_in({low}, {high})"
     return parse
+
+
+MAX_SWEEP = 16
+"""The most batch sizes one `bench --batch` sweeps: 1 to 256 in powers of two is 9."""
+
+
+def batch_list(text: str) -> list[int]:
+    """An argparse type: batch sizes separated by commas (`1,2,4,8,16`), each from 1 to
+    MAX_RUN_BATCH, each once, at most MAX_SWEEP of them; one size is a list of one."""
+    items = str(text).split(",")
+    what = f"batch sizes from 1 to {MAX_RUN_BATCH} separated by commas, e.g. 1,2,4,8,16"
+    if len(items) > MAX_SWEEP:
+        raise argparse.ArgumentTypeError(f"at most {MAX_SWEEP} batch sizes, not {len(items):,}")
+    sizes = []
+    for item in items:
+        try:
+            size = int(item.strip()) if item.strip().isdigit() else None
+        except ValueError:  # more digits than int() converts
+            size = None
+        if size is None or not 1 <= size <= MAX_RUN_BATCH:
+            raise argparse.ArgumentTypeError(f"expected {what}, not {_shown(text)}")
+        if size in sizes:
+            raise argparse.ArgumentTypeError(f"batch size {size} is given twice in {_shown(text)}")
+        sizes.append(size)
+    return sizes
+
+
+def one_batch(text: str) -> int:
+    """An argparse type: one batch size, from 1 to MAX_RUN_BATCH (not `int_in`, which would read
+    `2,4` as 24)."""
+    sizes = batch_list(text)
+    if len(sizes) > 1:
+        raise argparse.ArgumentTypeError(
+            f"the app runs one batch size, not {_shown(text)} (kvtui bench --batch sweeps several)"
+        )
+    return sizes[0]
 
 
 def float_in(low: float, high: float, *, zero: bool = False) -> Callable[[str], float]:
@@ -639,7 +682,25 @@ def _add_run_options(group: Any, *, app: bool) -> None:
     )
     if app:
         group.add_argument(
+            "--batch",
+            type=one_batch,
+            default=1,
+            help="sequences decoded together, the same prompt in each, row r sampled with seed "
+            f"SEED + r (default 1; at most {MAX_RUN_BATCH}; tiny, shape: and sim: only)",
+        )
+        group.add_argument(
             "--screen", type=int, choices=[1, 2, 3], default=1, help="the screen to open first"
+        )
+    else:
+        group.add_argument(
+            "--batch",
+            dest="batches",
+            type=batch_list,
+            default=[1],
+            metavar="B[,B...]",
+            help="sequences decoded together, the same prompt in each, row r sampled with seed "
+            f"SEED + r (default 1; each at most {MAX_RUN_BATCH}; tiny, shape: and sim: only); "
+            'a comma list runs one bench per size, a sweep (JSON: {"sweep": [...]})',
         )
 
 
@@ -660,21 +721,30 @@ def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSett
         kv_budget_bytes=args.kv_budget,
         kv_block_tokens=args.kv_block,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        batch=getattr(args, "batch", 1),  # bench's --batch is a list (`batches`): one run each
     )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Both loops on one prompt, measured; a table, or `--json`."""
-    from kvtui.engine.bench import format_table, run_bench
+    """Both loops on one prompt, measured; a table, or `--json`. `--batch` with several sizes
+    runs one bench per size: a line each, or `{"sweep": [summary, ...]}`."""
+    from kvtui.engine.bench import format_sweep, format_table, run_bench, run_sweep
 
+    batches = args.batches
     settings = settings_from_args(args, default_tokens=256)
+    if len(batches) > 1 and args.record:
+        raise UsageError("kvtui bench: error: --record records one run: give --batch one size")
     progress = (
         (lambda line: print(f"\r{line}   ", end="", file=sys.stderr, flush=True))
         if sys.stderr.isatty()
         else (lambda line: None)
     )
     try:
-        result = run_bench(settings, record=args.record, force=args.force, progress=progress)
+        if len(batches) == 1:
+            settings = replace(settings, batch=batches[0])
+            result = run_bench(settings, record=args.record, force=args.force, progress=progress)
+        else:
+            result = run_sweep(settings, batches, progress=progress)
     except EngineError as exc:
         raise UsageError(f"kvtui bench: {exc}") from None
     finally:
@@ -683,7 +753,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(result)
     else:
-        print(format_table(result))
+        print(format_sweep(result) if "sweep" in result else format_table(result))
     if args.record:
         record = safe_text(str(args.record), one_line=True)
         _say(f"recorded to {record}; replay with --engine replay:{record}")

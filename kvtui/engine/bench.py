@@ -3,6 +3,12 @@
 The engine runs in this process (there is no UI to fight for the GIL), the cached loop first and
 then the uncached one, each to its end, so that their step times do not interleave.
 
+A run of `batch` B decodes B sequences together; its summary says how fast each sequence went
+(`tokens_per_s_per_sequence`, one token of each per step) and all of them (`tokens_per_s_total`),
+and counts the work and the KV cache of all of them. `run_sweep` runs one bench per batch size
+(`kvtui bench --batch 1,2,4,8,16`): how throughput, step time and arithmetic intensity (FLOPs per
+byte read, against the device's ridge point where known) move with the batch.
+
 Memory stays bounded: each step is kept as a few numbers in arrays (about 40 bytes, not a
 360-byte StepSample), with at most MAX_TEXT_CHARS of text, and a run has at most MAX_TOKENS steps
 per loop (kvtui.engine.spec.check_run). Every float of the summary is finite or None, so its JSON
@@ -14,6 +20,7 @@ whole, replayable record; an existing FILE is replaced only with `force`, and ne
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import statistics
@@ -36,7 +43,7 @@ from kvtui.engine.protocol import (
     run_events,
 )
 from kvtui.engine.replay import RecordWriter
-from kvtui.engine.spec import open_engine
+from kvtui.engine.spec import check_run, open_engine
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
@@ -99,12 +106,15 @@ class _Collected:
     finished: dict[str, RunFinished] = field(default_factory=dict)
 
 
-def loop_stats(steps: _Series) -> dict:
-    """Throughput and step-time shape of one loop (times in ms)."""
+def loop_stats(steps: _Series, batch: int = 1) -> dict:
+    """Throughput and step-time shape of one loop of `batch` sequences (times in ms): tokens
+    (steps) per second of each sequence, and of all of them."""
     if not steps:
         return {
             "tokens": 0,
             "tokens_per_s": None,
+            "tokens_per_s_per_sequence": None,
+            "tokens_per_s_total": None,
             "step_ms_p50": None,
             "step_ms_first_quartile": None,
             "step_ms_last_quartile": None,
@@ -119,9 +129,12 @@ def loop_stats(steps: _Series) -> dict:
     ms = [seconds * 1e3 for seconds in steps.seconds]
     total = sum(steps.seconds)
     q = max(1, len(ms) // 4)
+    per_sequence = len(steps) / total if total > 0 else None
     return {
         "tokens": len(steps),
-        "tokens_per_s": len(steps) / total if total > 0 else None,
+        "tokens_per_s": per_sequence,
+        "tokens_per_s_per_sequence": per_sequence,
+        "tokens_per_s_total": batch * per_sequence if per_sequence is not None else None,
         "step_ms_p50": statistics.median(ms),
         "step_ms_first_quartile": statistics.median(ms[:q]),
         "step_ms_last_quartile": statistics.median(ms[-q:]),
@@ -134,8 +147,9 @@ def loop_stats(steps: _Series) -> dict:
 
 def _first_and_later(steps: _Series) -> dict:
     """Time to first token (the first step: the prompt's pass, a prefill with a cache) and time
-    per output token after it (the mean of the later steps), and the positions each computes per
-    second: prefill reads the whole prompt in one pass, decode one position a step."""
+    per output token after it (the mean of the later steps: the step time of the whole batch),
+    and the positions each computes per second, every sequence's: prefill reads the whole prompt
+    in one pass, decode one position a step."""
     first, later = steps.seconds[0], steps.seconds[1:]
     later_seconds = sum(later)
     later_work = steps.work - steps.first_positions
@@ -164,7 +178,8 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
     divergence = next(
         (i for i, (a, b) in enumerate(zip(ids_c, ids_u, strict=False)) if a != b), None
     )
-    stats_c, stats_u = loop_stats(cached), loop_stats(uncached)
+    B = started.batch
+    stats_c, stats_u = loop_stats(cached, B), loop_stats(uncached, B)
     work_c, work_u = cached.work, uncached.work
     achieved = statistics.median(cached.bandwidth) if cached.bandwidth else None
     intensity = statistics.fmean(cached.intensity) if cached.intensity else None
@@ -184,6 +199,7 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
             "threads": started.threads,
             "prompt_tokens": P,
             "tokens": started.tokens,
+            "batch": B,
             "seed": settings.seed,
             "greedy": settings.greedy,
             "text": "".join((cached or uncached).text),
@@ -213,13 +229,15 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
             else None,
             "kv_bytes_allocated": allocated,
             "kv_bytes_filled": finished_c.kv_bytes_filled if finished_c else None,
-            "kv_bytes_formula": started.kv_bytes_per_token * (P + len(cached) - 1)
+            "kv_bytes_formula": B * started.kv_bytes_per_token * (P + len(cached) - 1)
             if cached
             else None,
             "weights_bytes": started.weights_bytes,
             "achieved_bandwidth_bytes_per_s": achieved,
             "peak_bandwidth_bytes_per_s": started.peak_bandwidth_bytes_per_s,
             "flops_per_byte": intensity,
+            "ridge_flops_per_byte": started.ridge_flops_per_byte,
+            "ridge_source": started.ridge_source,
             "messages": list(dict.fromkeys(f.message for f in c.finished.values() if f.message)),
         }
     )
@@ -298,6 +316,28 @@ def run_bench(
     if recording:
         recording.commit()
     return summarize(collected, settings)
+
+
+def run_sweep(
+    settings: RunSettings,
+    batches: list[int],
+    *,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict:
+    """One `run_bench` per batch size, in the order given: `{"sweep": [summary, ...]}`. Every
+    size is checked (`check_run`) before the first run, so that a bad one costs no run."""
+    runs = [replace(settings, batch=batch) for batch in batches]
+    for run in runs:
+        check_run(run)
+    summaries = []
+    for run in runs:
+        say = functools.partial(_prefixed, progress, f"batch {run.batch}: ")
+        summaries.append(run_bench(run, progress=say))
+    return {"sweep": summaries}
+
+
+def _prefixed(progress: Callable[[str], None], prefix: str, line: str) -> None:
+    progress(prefix + line)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -450,7 +490,10 @@ def format_table(r: dict) -> str:
 
     rows = [
         ("", "cached", "uncached"),
-        ("tokens/s", tps(r["cached"]["tokens_per_s"]), tps(r["uncached"]["tokens_per_s"])),
+        (
+            "tokens/s" + (", each sequence" if r["batch"] > 1 else ""),
+            *both("tokens_per_s_per_sequence", tps),
+        ),
         ("time to first token", *both("ttft_s", seconds_ms)),
         ("time per later token", *both("tpot_s", seconds_ms)),
         ("positions/s, first step", *both("first_step_positions_per_s", tps)),
@@ -468,12 +511,15 @@ def format_table(r: dict) -> str:
         ),
         ("positions computed", format_int(r["work_cached"]), format_int(r["work_uncached"])),
     ]
+    if r["batch"] > 1:
+        rows.insert(2, ("tokens/s, all sequences", *both("tokens_per_s_total", tps)))
     width = max(len(row[0]) for row in rows)
     lines = [
         f"{r['model']} on {r['device']} ({r['dtype']}"
         + (f", {format_count(r['threads'], 'thread')}" if r["threads"] else "")
         + "), "
         f"{r['prompt_tokens']} prompt + {r['tokens']} tokens"
+        + (f", a batch of {r['batch']} sequences" if r["batch"] > 1 else "")
     ]
     if r["timing"] != "measured":
         lines.append(f"  every time and rate below is {r['timing']}: arithmetic, not a measurement")
@@ -497,7 +543,70 @@ def format_table(r: dict) -> str:
             + ("" if r["timing"] == "measured" else " (modelled)")
             + (f" of {format_bandwidth(peak)} peak" if peak else "")
             + (f", {r['flops_per_byte']:.2f} FLOPs per byte" if r["flops_per_byte"] else "")
+            + (
+                f" (ridge {r['ridge_flops_per_byte']:.0f})"
+                if r["flops_per_byte"] and r["ridge_flops_per_byte"]
+                else ""
+            )
         )
     lines += [f"  {m}" for m in r["messages"]]
     lines.append(f"  text: {r['text'][:200]!r}")
     return safe_text("\n".join(lines))  # names, messages and text may come from a file
+
+
+def format_sweep(sweep: dict) -> str:
+    """A sweep as a table for a terminal: one line per batch size."""
+    runs = sweep["sweep"]
+    first = runs[0]
+
+    def num(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.2f} ms"
+
+    header = (
+        "batch",
+        "tok/s/seq",
+        "tok/s total",
+        "step (TPOT)",
+        "uncached tok/s",
+        "KV filled",
+        "FLOPs/byte",
+    )
+    rows = [
+        (
+            str(r["batch"]),
+            num(r["cached"]["tokens_per_s_per_sequence"], ",.1f"),
+            num(r["cached"]["tokens_per_s_total"], ",.1f"),
+            ms(r["cached"]["tpot_s"]),
+            num(r["uncached"]["tokens_per_s_total"], ",.1f"),
+            "-" if r["kv_bytes_filled"] is None else format_bytes(r["kv_bytes_filled"]),
+            num(r["flops_per_byte"], ".2f"),
+        )
+        for r in runs
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = [
+        f"{first['model']} on {first['device']} ({first['dtype']}"
+        + (f", {format_count(first['threads'], 'thread')}" if first["threads"] else "")
+        + f"), {first['prompt_tokens']} prompt + {first['tokens']} tokens per sequence"
+    ]
+    if first["timing"] != "measured":
+        lines.append(f"  every time and rate below is {first['timing']}: arithmetic")
+    lines += [
+        "  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+        for row in (header, *rows)
+    ]
+    lines.append(
+        "  cached loop: tok/s, TPOT (a step after the prefill), FLOPs/byte (their mean); "
+        "uncached: tok/s total"
+    )
+    ridge = first["ridge_flops_per_byte"]
+    if ridge is not None:
+        lines.append(f"  ridge point: {ridge:.0f} FLOPs per byte ({first['ridge_source']})")
+    else:
+        lines.append(f"  ridge point: {first['ridge_source'] or 'unknown'}")
+    for r in runs:
+        lines += [f"  batch {r['batch']}: {m}" for m in r["messages"]]
+    return safe_text("\n".join(lines))

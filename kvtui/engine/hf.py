@@ -346,7 +346,9 @@ class HFEngine(TorchEngine):
     def prompt_ids(self) -> Tensor:
         return torch.tensor([self.prompt], dtype=torch.long, device=self.device)
 
-    def cached(self, max_len: int) -> HFCache:
+    def cached(self, max_len: int, batch: int) -> HFCache:
+        if batch != 1:  # kvtui.engine.spec.check_run refuses --batch for hf: before loading
+            raise EngineError("hf: decodes one sequence; --batch is for kvtui's own engines")
         self._cache = new_cache(self.transformers, self.model, max_len)
         return HFCache(self.model, self._cache, self.fwd)
 

@@ -17,6 +17,11 @@ t (1-based) after a P-token prompt computes
 With a one-token prompt this is the lesson exactly: 24 tokens cost 300 positions without a cache
 and 24 with it (276 wasted); 4,096 tokens cost 8,390,656 against 4,096. kvtui.sim.work computes
 the same counts in closed form.
+
+The rule is per sequence. A run of `batch` B decodes B sequences of the same prompt together, one
+token of each per step, and a step of it counts the whole batch: B times those positions, B times
+the FLOPs, the weights read once plus every sequence's keys and values (kvtui.sim.work's functions
+with their `batch`), and B sequences' KV cache.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ Loop = Literal["cached", "uncached"]
 LOOPS: tuple[Loop, ...] = ("uncached", "cached")
 
 DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
+
+MAX_RUN_BATCH = 256
+"""The most sequences one run decodes together: vLLM's default `max_num_seqs`, the most sequences
+its scheduler puts in one step. A bound, not a promise that they fit: the cached loop stops where
+the KV pool runs out (kvtui.sim.memory.KVPool.tokens_before_full), and a batch's activations grow
+with it. Row r's seed, `seed + r`, stays within torch's 64-bit seeds for any seed up to 2^63 - 1."""
 
 MAX_TOKENS = 2**18
 """The most tokens one run generates: 262,144, past every catalog model's context (DeepSeek-V3's
@@ -77,6 +88,10 @@ class RunSettings:
     """Token slots per block of the KV pool (`--kv-block`; vLLM's default block size)."""
     gpu_memory_utilization: float = 0.9
     """The share of a GPU's memory the engine may fill, as vLLM's flag of that name."""
+    batch: int = 1
+    """Sequences decoded together (`--batch`), 1 to MAX_RUN_BATCH: the same prompt in every row,
+    row r sampling with seed `seed + r` (so greedy rows are equal), all through one model call per
+    step and one KV pool."""
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "loops": list(self.loops)}
@@ -84,7 +99,8 @@ class RunSettings:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSettings:
         """The settings a `to_json` dict holds; ValueError naming the first field of the wrong
-        type (or out of range: tokens and threads at least 1, loops distinct and known)."""
+        type (or out of range: tokens and threads at least 1, batch 1 to MAX_RUN_BATCH, loops
+        distinct and known)."""
         values = _typed_fields(cls, data, "run settings")
         if "loops" in values:
             loops = values["loops"] = tuple(values["loops"])
@@ -93,6 +109,10 @@ class RunSettings:
         for name in ("tokens", "threads", "kv_block_tokens"):
             if name in values and values[name] < 1:
                 raise ValueError(f"run settings: {name} must be at least 1, not {values[name]}")
+        if "batch" in values and not 1 <= values["batch"] <= MAX_RUN_BATCH:
+            raise ValueError(
+                f"run settings: batch must be from 1 to {MAX_RUN_BATCH}, not {values['batch']}"
+            )
         if values.get("kv_budget_bytes") is not None and values["kv_budget_bytes"] < 0:
             raise ValueError("run settings: kv_budget_bytes must not be negative")
         utilization = values.get("gpu_memory_utilization", 0.9)
@@ -117,9 +137,12 @@ class RunStarted:
     kv_heads: int
     head_dim: int
     kv_bytes_per_token: int
+    """Keys and values of one position of one sequence, every layer."""
     weights_bytes: int
     prompt_tokens: int
+    """The prompt's positions, per sequence."""
     tokens: int
+    """Tokens to generate, per sequence."""
     threads: int = 1
     peak_bandwidth_bytes_per_s: float | None = None
     device_memory_total_bytes: int | None = None
@@ -139,12 +162,23 @@ class RunStarted:
     """Token slots per block of the pool."""
     kv_pool_source: str = ""
     """Where the capacity came from, in words: "--kv-budget", the GPU's share, the CPU default."""
+    batch: int = 1
+    """Sequences decoded together; each step's figures count all of them."""
+    ridge_flops_per_byte: float | None = None
+    """The device's roofline ridge point, peak FLOP/s over peak bytes/s, where known: the catalog
+    GPU's (`sim:`'s, or the one a CUDA device matches); None on a CPU or an unknown GPU."""
+    ridge_source: str = ""
+    """Where the ridge point came from, or why there is none, in words."""
     kind: str = field(default="started", init=False)
 
 
 @dataclass(frozen=True)
 class StepSample:
-    """One decode step of one loop, as measured."""
+    """One decode step of one loop, as measured: one sample per step for the whole batch.
+
+    The token and its text are row 0's (every row's is the same prompt; with greedy decoding every
+    row's token too). The counts are the whole batch's: `batch` times one sequence's positions,
+    FLOPs and KV bytes; the bytes read count the weights once and every sequence's cache."""
 
     loop: Loop
     step: int
@@ -152,22 +186,26 @@ class StepSample:
     position: int
     """Position of the new token in the sequence (prompt_tokens + step)."""
     token_id: int
+    """Row 0's token."""
     text: str
-    """The text this token completes (UTF-8 safe: may be empty mid-character)."""
+    """The text row 0's token completes (UTF-8 safe: may be empty mid-character)."""
     positions_computed: int
-    """Positions whose keys and values this step computed: with a cache, prompt_tokens on the
-    first step (the prefill) and 1 after; without, every position so far (position itself)."""
+    """Positions whose keys and values this step computed, every sequence's: per sequence, with
+    a cache, prompt_tokens on the first step (the prefill) and 1 after; without, every position
+    so far (position itself); times the batch."""
     flops: int
+    """FLOPs of the step, every sequence's."""
     bytes_read: int
+    """Bytes the step reads: the weights once, and every sequence's keys and values."""
     step_seconds: float
     """Wall time of the step, measured after synchronising the device."""
     kv_bytes: int
-    """KV-cache bytes filled after the step: its positions' keys and values (0 for the uncached
-    loop, which keeps none)."""
+    """KV-cache bytes filled after the step: every sequence's positions' keys and values (0 for
+    the uncached loop, which keeps none)."""
     device_memory_bytes: int | None = None
     kv_bytes_allocated: int = 0
-    """KV-cache bytes allocated after the step: the blocks taken from the pool, each whole (the
-    last one's unused slots too), or the buffers of an engine's own cache."""
+    """KV-cache bytes allocated after the step, every sequence's: the blocks taken from the pool,
+    each whole (the last one's unused slots too), or the buffers of an engine's own cache."""
     kind: str = field(default="step", init=False)
 
 
@@ -180,10 +218,10 @@ class RunFinished:
     steps: int
     message: str = ""
     kv_bytes_allocated: int | None = None
-    """Bytes of the KV cache this loop held at its end (before it was freed), measured from the
-    tensors: whole blocks of the pool, or an engine's own buffers."""
+    """Bytes of the KV cache this loop held at its end (before it was freed), every sequence's,
+    measured from the tensors: whole blocks of the pool, or an engine's own buffers."""
     kv_bytes_filled: int | None = None
-    """Bytes of keys and values of the positions it had written by then."""
+    """Bytes of keys and values of the positions it had written by then, every sequence's."""
     kind: str = field(default="finished", init=False)
 
 

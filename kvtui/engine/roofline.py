@@ -8,6 +8,11 @@ memory" at the token the pool predicts, as a real one would. The tokens are a fi
 Austen (the same for both loops: a cache changes the work, never the answer). For laptops, demos
 and deterministic tests.
 
+A batch (`--batch B`) decodes B sequences of the prompt together: each step computes B times the
+positions and FLOPs, reads the weights once and every sequence's KV cache (kvtui.sim.work's
+functions with their `batch`), and the pool gives each sequence floor(blocks / B) blocks, so the
+cached loop stops at `KVPool.tokens_before_full(P, B)`.
+
 `sim:MODEL@NxGPU` splits the model over N of the GPU by tensor parallelism: every figure is then
 one GPU's (kvtui.sim.memory.shard: its query heads, its KV heads, each kept whole even when there
 are fewer than GPUs, and its share of the weights), and a step also waits for the GPUs' exchanges,
@@ -90,9 +95,8 @@ class SimEngine:
         else:
             capacity = max(0, room)
             self.pool_source = (
-                f"modelled: {s.gpu_memory_utilization:g} of "
-                f"{format_bytes(self.gpu.memory_bytes)} less the weights and a "
-                f"{format_bytes(RUNTIME_RESERVE_BYTES)} reserve"
+                f"modelled: {s.gpu_memory_utilization:g} x {format_bytes(self.gpu.memory_bytes)}"
+                f" - weights - {format_bytes(RUNTIME_RESERVE_BYTES)} reserve"
             )
         per_token = kv_bytes_per_token(self.share, self.kv_dtype)
         self.pool = KVPool(capacity, s.kv_block_tokens, per_token)
@@ -201,6 +205,9 @@ class SimEngine:
             kv_capacity_bytes=self.pool.capacity_bytes,
             kv_block_tokens=self.pool.block_tokens,
             kv_pool_source=self.pool_source,
+            batch=self.settings.batch,
+            ridge_flops_per_byte=self.gpu.ridge_flops_per_byte,
+            ridge_source=f"the catalog's {self.gpu.display_name}",
             prompt_text=bytes(encode_bytes(self.settings.prompt)[: self.prompt_tokens]).decode(
                 "utf-8", errors="replace"
             ),
@@ -208,39 +215,40 @@ class SimEngine:
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
         m, P, pool = self.share, self.prompt_tokens, self.pool  # one GPU's part of the model
+        B, wd, kd = self.settings.batch, self.weights_dtype, self.kv_dtype
         text = Utf8Stream()
         passage = PASSAGE.encode("utf-8")
-        weights = weights_bytes(m, self.weights_dtype)
-        room = pool.tokens_before_full(P) if loop == "cached" else self.settings.tokens
+        weights = weights_bytes(m, wd)
+        room = pool.tokens_before_full(P, B) if loop == "cached" else self.settings.tokens
         held = allocated = 0
         for i in range(self.settings.tokens):
-            context = P + i  # keys and values held once this step is done
+            context = P + i  # keys and values held once this step is done, per sequence
             if i >= room:  # this step would cache a position the pool has no block for
                 yield RunFinished(
                     loop,
                     "out_of_memory",
                     i,
-                    pool.full_message(P),
+                    pool.full_message(P, B),
                     kv_bytes_allocated=allocated,
                     kv_bytes_filled=held,
                 )
                 return
             if loop == "cached":
-                computed = P if i == 0 else 1
+                computed = P if i == 0 else 1  # per sequence
                 if i == 0:
-                    flops = uncached_step_flops(m, P)
-                    read = uncached_step_bytes(m, P, self.weights_dtype, self.kv_dtype)
+                    flops = uncached_step_flops(m, P, B)
+                    read = uncached_step_bytes(m, P, wd, kd, B)
                 else:
-                    flops = decode_step_flops(m, context)
-                    read = decode_step_bytes(m, context, self.weights_dtype, self.kv_dtype)
-                held = kv_bytes(m, context, 1, self.kv_dtype)
-                allocated = pool.blocks_for(context) * pool.block_bytes
+                    flops = decode_step_flops(m, context, B)
+                    read = decode_step_bytes(m, context, wd, kd, B)
+                held = kv_bytes(m, context, B, kd)
+                allocated = pool.blocks_for(context, B) * pool.block_bytes
             else:
                 computed = P + i
-                flops = uncached_step_flops(m, computed)
-                read = uncached_step_bytes(m, computed, self.weights_dtype, self.kv_dtype)
+                flops = uncached_step_flops(m, computed, B)
+                read = uncached_step_bytes(m, computed, wd, kd, B)
             seconds = tensor_parallel_step_seconds(
-                self.model, flops, read, computed, self.gpus, self.gpu
+                self.model, flops, read, computed, self.gpus, self.gpu, B
             )
             if self.settings.replay_speed > 0:
                 time.sleep(min(seconds / self.settings.replay_speed, MAX_STEP_SECONDS))
@@ -251,7 +259,7 @@ class SimEngine:
                 position=P + i,
                 token_id=token,
                 text=text.push(token),
-                positions_computed=computed,
+                positions_computed=B * computed,
                 flops=flops,
                 bytes_read=read,
                 step_seconds=seconds,

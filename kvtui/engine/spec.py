@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvtui.engine.protocol import MAX_TOKENS, EngineError, RunSettings, StepSource
+from kvtui.engine.protocol import (
+    MAX_RUN_BATCH,
+    MAX_TOKENS,
+    EngineError,
+    RunSettings,
+    StepSource,
+)
 
 EngineKind = Literal["tiny", "shape", "sim", "replay", "hf"]
 
@@ -218,12 +224,24 @@ def check_positions(label: str, prompt: int, tokens: int, limit: int) -> None:
 
 def check_run(settings: RunSettings) -> EngineSpec:
     """Refuse, cheaply and without torch, settings no engine can run: an engine name that does
-    not parse, tokens out of 1..MAX_TOKENS, a device that is not auto, cpu or cuda[:N], CUDA
+    not parse, tokens out of 1..MAX_TOKENS, a batch out of 1..MAX_RUN_BATCH or asked of an engine
+    that decodes one sequence (hf:, replay:), a device that is not auto, cpu or cuda[:N], CUDA
     asked for on a machine that shows none (torch engines only), or more positions (prompt +
     tokens) than the model has. Returns the parsed engine name."""
     spec = parse_engine(settings.engine)
     if not 1 <= settings.tokens <= MAX_TOKENS:
         raise EngineError(f"tokens must be from 1 to {MAX_TOKENS:,}, not {settings.tokens:,}")
+    if not 1 <= settings.batch <= MAX_RUN_BATCH:
+        raise EngineError(f"batch must be from 1 to {MAX_RUN_BATCH}, not {settings.batch:,}")
+    if spec.kind in ("hf", "replay") and settings.batch != 1:
+        raise EngineError(
+            f"--batch applies to kvtui's own engines (tiny, shape:, sim:), not to {spec.kind}:"
+            + (
+                " it decodes one sequence through transformers' own cache"
+                if spec.kind == "hf"
+                else " a replay shows the run as it was recorded, batch and all"
+            )
+        )
     if spec.kind in ("tiny", "shape", "hf"):
         device = settings.device
         if device not in ("auto", "cpu") and not _CUDA_DEVICE.fullmatch(device):

@@ -8,14 +8,17 @@ them through transformers' forward):
 - `recompute_loop`: no cache; the step that emits token t runs all P + t - 1 positions so far
   (the lesson's staircase, counted as kvtui.engine.protocol defines it).
 
-Both sample with their own `Sampler` seeded the same way and draw once per step, so with the same
-prompt, seed and settings they emit the same tokens. Every step is timed after synchronising the
-device.
+Both take a batch of prompts `(B, P)` and decode the B rows together, one model call per step.
+Both sample with their own `Sampler`, row r seeded `seed + r`, one draw per row per step, so with
+the same prompt, seed and settings they emit the same tokens, row by row. Every step is timed after
+synchronising the device.
 
 `TorchEngine` wraps the loops in the engine protocol, once for every torch engine: `tiny` (the
 shipped model in assets/), `shape:NAME` (a catalog model's exact shape with random weights), and
 `hf:DIR` (kvtui.engine.hf). Each step becomes a `StepSample` with the FLOPs and bytes kvtui.sim
-counts for it, the measured wall time, the KV bytes held and, on a GPU, the device memory in use.
+counts for it (the whole batch's), the measured wall time, the KV bytes held and, on a GPU, the
+device memory in use. kvtui's own decoder runs a batch (`--batch`) with its cache's blocks taken
+from one pool, which stops the batch where kvtui.sim.memory.KVPool says.
 Out of memory on a GPU ends the loop with "out of memory at N tokens", frees the cache, and the
 process goes on.
 """
@@ -46,9 +49,16 @@ from kvtui.engine.protocol import (
 from kvtui.format import format_bytes
 from kvtui.paths import asset_path
 from kvtui.probe import open_probe
-from kvtui.sim.catalog import ModelSpec, UnknownNameError, get_model, normalize_dtype
+from kvtui.sim.catalog import (
+    ModelSpec,
+    UnknownNameError,
+    get_model,
+    match_gpu,
+    normalize_dtype,
+)
 from kvtui.sim.memory import (
     CPU_KV_BUDGET_BYTES,
+    DEFAULT_BLOCK_SIZE,
     KVPool,
     gpu_pool_bytes,
     kv_bytes,
@@ -82,31 +92,40 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Step:
-    """One measured decode step."""
+    """One measured decode step of a batch of sequences (one sequence: a batch of 1)."""
 
     index: int
     """0-based index of the generated token."""
     position: int
-    """Position of the generated token in the sequence."""
-    token_id: int
+    """Position of the generated tokens in their sequences."""
+    token_ids: tuple[int, ...]
+    """Each row's token."""
     positions_computed: int
-    """Positions whose keys and values this step computed."""
+    """Positions whose keys and values this step computed, every row's."""
     step_seconds: float
     kv_bytes: int
-    """KV-cache bytes filled after this step (0 without a cache)."""
+    """KV-cache bytes filled after this step, every row's (0 without a cache)."""
     kv_bytes_allocated: int = 0
     """KV-cache bytes allocated after this step: whole blocks, or the buffers a cache holds."""
 
+    @property
+    def token_id(self) -> int:
+        """Row 0's token."""
+        return self.token_ids[0]
+
 
 class Sampler:
-    """Greedy or seeded top-k sampling; one random draw per step whatever the logits."""
+    """Greedy or seeded top-k sampling of `batch` rows: row r draws from its own generator,
+    seeded `seed + r`, one draw per row per step whatever the logits."""
 
-    def __init__(self, sampling: Sampling, device: torch.device) -> None:
+    def __init__(self, sampling: Sampling, device: torch.device, batch: int = 1) -> None:
         self.sampling = sampling
-        self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        self.generators = [
+            torch.Generator(device=device).manual_seed(sampling.seed + row) for row in range(batch)
+        ]
 
     def __call__(self, logits: Tensor) -> Tensor:
-        """The next token `(1, 1)` from the last position's logits `(1, vocab)`."""
+        """The next tokens `(B, 1)` from the last position's logits `(B, vocab)`."""
         s = self.sampling
         if s.greedy or s.temperature <= 0:
             return logits.argmax(dim=-1, keepdim=True)
@@ -115,7 +134,14 @@ class Sampler:
             kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)
+        if len(self.generators) == 1:
+            return torch.multinomial(probs, 1, generator=self.generators[0])
+        return torch.cat(  # each row from its own stream: row r's tokens do not depend on B
+            [
+                torch.multinomial(probs[row : row + 1], 1, generator=generator)
+                for row, generator in enumerate(self.generators)
+            ]
+        )
 
 
 def synchronize(device: torch.device) -> None:
@@ -127,15 +153,17 @@ class CachedModel(Protocol):
     """What the cached loop needs of a model whose KV cache is already set up."""
 
     def prefill(self, prompt: Tensor) -> Tensor:
-        """Run the prompt `(1, P)` into the cache; the last position's logits `(1, vocab)`."""
+        """Run the prompts `(B, P)` into the cache; the last position's logits `(B, vocab)`."""
         ...
 
     def decode_one_token(self, token: Tensor, position: int) -> Tensor:
-        """Feed one token `(1, 1)` at `position`, computing only its keys and values."""
+        """Feed one token per row `(B, 1)` at `position`, computing only their keys and values;
+        their logits `(B, vocab)`."""
         ...
 
     def kv_bytes_filled(self, positions: int) -> int:
-        """Bytes of keys and values the cache holds for the first `positions` positions."""
+        """Bytes of keys and values the cache holds for the first `positions` positions of
+        every row."""
         ...
 
     def kv_bytes_allocated(self) -> int:
@@ -146,10 +174,11 @@ class CachedModel(Protocol):
 def cached_loop(
     model: CachedModel, prompt: Tensor, n_tokens: int, sampling: Sampling
 ) -> Iterator[Step]:
-    """Prefill (P positions), then one new position per step: P + n - 1 positions in all."""
+    """Prefill (P positions of each of the B rows of `prompt` `(B, P)`), then one new position
+    per row per step: P + n - 1 positions in all, per row."""
     device = prompt.device
-    P = prompt.shape[1]
-    sample = Sampler(sampling, device)
+    B, P = prompt.shape
+    sample = Sampler(sampling, device, B)
     token = None
     for i in range(n_tokens):
         synchronize(device)
@@ -159,35 +188,36 @@ def cached_loop(
                 logits, computed = model.prefill(prompt), P
             else:
                 logits, computed = model.decode_one_token(token, P + i - 1), 1
-            token = sample(logits)
-        token_id = int(token.item())  # .item() synchronises too
+            token = sample(logits)  # (B, 1)
+        token_ids = tuple(token[:, 0].tolist())  # .tolist() synchronises too
         synchronize(device)
         seconds = time.perf_counter() - t0
         filled, allocated = model.kv_bytes_filled(P + i), model.kv_bytes_allocated()
-        yield Step(i, P + i, token_id, computed, seconds, filled, allocated)
+        yield Step(i, P + i, token_ids, B * computed, seconds, filled, allocated)
 
 
 def recompute_loop(
     recompute: Callable[[Tensor], Tensor], prompt: Tensor, n_tokens: int, sampling: Sampling
 ) -> Iterator[Step]:
     """The uncached loop around any model: `recompute(ids)` gives the last position's logits
-    `(1, vocab)` of the whole sequence `ids` `(1, T)`, computed from scratch. The step that emits
-    token t (1-based) recomputes all P + t - 1 positions so far."""
+    `(B, vocab)` of the whole sequences `ids` `(B, T)`, computed from scratch. The step that
+    emits token t (1-based) recomputes all P + t - 1 positions so far of each row of `prompt`
+    `(B, P)`."""
     device = prompt.device
-    P = prompt.shape[1]
-    ids = torch.empty((1, P + n_tokens), dtype=torch.long, device=device)
+    B, P = prompt.shape
+    ids = torch.empty((B, P + n_tokens), dtype=torch.long, device=device)
     ids[:, :P] = prompt
-    sample = Sampler(sampling, device)
+    sample = Sampler(sampling, device, B)
     for i in range(n_tokens):
         synchronize(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            token = sample(recompute(ids[:, : P + i]))
-        ids[:, P + i] = token[0, 0]
-        token_id = int(token.item())
+            token = sample(recompute(ids[:, : P + i]))  # (B, 1)
+        ids[:, P + i] = token[:, 0]
+        token_ids = tuple(token[:, 0].tolist())
         synchronize(device)
         seconds = time.perf_counter() - t0
-        yield Step(i, P + i, token_id, P + i, seconds, 0)
+        yield Step(i, P + i, token_ids, B * (P + i), seconds, 0)
 
 
 @dataclass
@@ -210,7 +240,8 @@ class DecoderCache:
 
 
 def recompute_all(model: Transformer, ids: Tensor) -> Tensor:
-    """Run the whole sequence `(1, T)` with no cache: keys and values for all T positions again."""
+    """Run the whole sequences `(B, T)` with no cache: keys and values for all T positions of
+    every row again."""
     return model(ids, start=0, use_cache=False)[:, -1]
 
 
@@ -218,11 +249,16 @@ def generate(
     model: Transformer, prompt: Tensor, n_tokens: int, sampling: Sampling, *, cache: bool
 ) -> Iterator[Step]:
     """kvtui's decoder through the cached loop (its caches set up for the run and dropped after)
-    or the uncached one: for scripts, benchmarks and tests that want steps without an engine."""
+    or the uncached one, on prompts `(B, P)`: for scripts, benchmarks and tests that want steps
+    without an engine."""
     if not cache:
         yield from recompute_loop(lambda ids: recompute_all(model, ids), prompt, n_tokens, sampling)
         return
-    model.setup_caches(batch=1, max_len=prompt.shape[1] + n_tokens)
+    model.setup_caches(  # in the engine's blocks, from a pool that holds the run
+        batch=prompt.shape[0],
+        max_len=prompt.shape[1] + n_tokens,
+        block_tokens=DEFAULT_BLOCK_SIZE,
+    )
     try:
         yield from cached_loop(DecoderCache(model), prompt, n_tokens, sampling)
     finally:
@@ -259,6 +295,19 @@ def describe_device(device: torch.device) -> tuple[str, int | None, float | None
     with open_probe(index) as probe:  # NVML: peak bandwidth from memory clock x bus width
         peak = probe.read().peak_bandwidth_bytes_per_s
     return f"cuda:{index} ({torch.cuda.get_device_name(device)})", total, peak
+
+
+def device_ridge(device: torch.device, memory_bytes: int | None) -> tuple[float | None, str]:
+    """The device's roofline ridge point (peak bf16 FLOP/s over peak bytes/s) and where it came
+    from: a CUDA device's from the catalog GPU it matches (kvtui.sim.catalog.match_gpu); None,
+    saying why, on a CPU (the catalog has no CPUs) or a GPU the catalog does not hold."""
+    if device.type != "cuda":
+        return None, "none: the catalog has no peak FLOP/s for a CPU"
+    name = torch.cuda.get_device_name(device)
+    gpu = match_gpu(name, memory_bytes)
+    if gpu is None:
+        return None, f"none: {name} is not in the GPU catalog"
+    return gpu.ridge_flops_per_byte, f"the catalog's {gpu.display_name}"
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -362,13 +411,19 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
 
 
 def build_shape(
-    spec: ModelSpec, device: torch.device, dtype: torch.dtype, context: int, seed: int
+    spec: ModelSpec,
+    device: torch.device,
+    dtype: torch.dtype,
+    context: int,
+    seed: int,
+    batch: int = 1,
 ) -> Transformer:
-    """Random weights in a catalog model's shape; `EngineError`, before allocating, if too big."""
+    """Random weights in a catalog model's shape; `EngineError`, before allocating, if too big
+    (the weights and the KV cache of `batch` sequences of `context` tokens)."""
     args = args_for_shape(spec)
     element = torch.empty((), dtype=dtype).element_size()
-    need = args.params * element + kv_bytes(spec, context, 1, dtype_name(dtype))
-    what = f"weights + KV cache for {context:,} tokens"
+    need = args.params * element + kv_bytes(spec, context, batch, dtype_name(dtype))
+    what = f"weights + KV cache for {context:,} tokens" + (f" x {batch}" if batch > 1 else "")
     if device.type == "cpu":  # `ready_to_decode` copies one weight at a time into a new layout
         need += _largest_weight(args) * element
         what += " + a copy of the largest weight"
@@ -438,12 +493,13 @@ class TorchEngine(ABC):
         """The prompt's tokens, `(1, P)`, on the device."""
 
     @abstractmethod
-    def cached(self, max_len: int) -> CachedModel:
-        """The model with a fresh KV cache for `max_len` positions."""
+    def cached(self, max_len: int, batch: int) -> CachedModel:
+        """The model with a fresh KV cache for `batch` sequences of `max_len` positions."""
 
     @abstractmethod
     def recompute(self, ids: Tensor) -> Tensor:
-        """Last-position logits of the whole sequence `ids`, computed with no cache."""
+        """Last-position logits `(B, vocab)` of the whole sequences `ids` `(B, T)`, computed with
+        no cache."""
 
     @abstractmethod
     def text_stream(self) -> Callable[[int], str]:
@@ -460,6 +516,7 @@ class TorchEngine(ABC):
     def started(self) -> RunStarted:
         """What runs, and where: the model's shape, its measured weights, the device."""
         where, total, peak = describe_device(self.device)
+        ridge, ridge_source = device_ridge(self.device, total)
         return RunStarted(
             engine=self.settings.engine,
             model=self.label,
@@ -481,11 +538,15 @@ class TorchEngine(ABC):
             kv_capacity_bytes=self.pool.capacity_bytes if self.pool else None,
             kv_block_tokens=self.pool.block_tokens if self.pool else None,
             kv_pool_source=self.pool_source,
+            batch=self.settings.batch,
+            ridge_flops_per_byte=ridge,
+            ridge_source=ridge_source,
         )
 
     def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
         s = self.settings
-        prompt = self.prompt_ids()
+        B = s.batch
+        prompt = self.prompt_ids().expand(B, -1)  # (B, P): the same prompt in every row
         P = prompt.shape[1]
         if P + s.tokens > self.max_positions:
             message = f"{P + s.tokens:,} positions is past the model's {self.max_positions:,}"
@@ -498,7 +559,7 @@ class TorchEngine(ABC):
         run: Iterator[Step] | None = None
         try:
             if loop == "cached":
-                run = cached_loop(self.cached(P + s.tokens), prompt, s.tokens, sampling)
+                run = cached_loop(self.cached(P + s.tokens, B), prompt, s.tokens, sampling)
             else:
                 run = recompute_loop(self.recompute, prompt, s.tokens, sampling)
             for step in run:
@@ -507,7 +568,7 @@ class TorchEngine(ABC):
                 done += 1
                 yield self._sample(loop, step, text(step.token_id))
         except KVCacheFull:
-            stopped = self.pool.full_message(P) if self.pool else "the KV cache is full"
+            stopped = self.pool.full_message(P, B) if self.pool else "the KV cache is full"
         except torch.OutOfMemoryError:  # reported below, once the traceback no longer pins tensors
             stopped = f"out of memory at {P + done:,} tokens"
         finally:
@@ -522,14 +583,15 @@ class TorchEngine(ABC):
         )
 
     def _sample(self, loop: Loop, step: Step, text: str) -> StepSample:
-        """A measured step as the protocol's sample, with the FLOPs and bytes kvtui.sim counts."""
-        dtype = self.dtype_name
-        if loop == "cached" and step.index > 0:  # one new position against the cache
-            flops = decode_step_flops(self.spec, step.position)
-            read = decode_step_bytes(self.spec, step.position, dtype, dtype)
-        else:  # an uncached step, or the cached loop's prefill: many positions in one pass
-            flops = uncached_step_flops(self.spec, step.positions_computed)
-            read = uncached_step_bytes(self.spec, step.positions_computed, dtype, dtype)
+        """A measured step as the protocol's sample, with the FLOPs and bytes kvtui.sim counts
+        for the whole batch."""
+        dtype, B = self.dtype_name, self.settings.batch
+        if loop == "cached" and step.index > 0:  # one new position per row against the cache
+            flops = decode_step_flops(self.spec, step.position, B)
+            read = decode_step_bytes(self.spec, step.position, dtype, dtype, B)
+        else:  # an uncached step, or the cached loop's prefill: each row's `position` positions
+            flops = uncached_step_flops(self.spec, step.position, B)
+            read = uncached_step_bytes(self.spec, step.position, dtype, dtype, B)
         on_gpu = self.device.type == "cuda"
         return StepSample(
             loop=loop,
@@ -588,10 +650,10 @@ class DecoderEngine(TorchEngine):
     def prompt_ids(self) -> Tensor:
         return self._prompt
 
-    def cached(self, max_len: int) -> CachedModel:
+    def cached(self, max_len: int, batch: int) -> CachedModel:
         pool = self.pool
         self.model.setup_caches(
-            batch=1, max_len=max_len, block_tokens=pool.block_tokens, pool_blocks=pool.blocks
+            batch=batch, max_len=max_len, block_tokens=pool.block_tokens, pool_blocks=pool.blocks
         )
         return DecoderCache(self.model)
 
@@ -625,7 +687,7 @@ def open_torch_engine(settings: RunSettings, model_name: str | None) -> DecoderE
     except UnknownNameError as exc:
         raise EngineError(str(exc)) from exc
     context = len(encode_bytes(settings.prompt)) + settings.tokens
-    model = build_shape(spec, device, dtype, context, settings.seed)
+    model = build_shape(spec, device, dtype, context, settings.seed, settings.batch)
     label = f"shape:{spec.name}"
     return DecoderEngine(
         settings, model, spec, device, label, byte_level=False, trained_positions=spec.max_context

@@ -176,12 +176,18 @@ def decode_step_bytes(
 
 
 def uncached_step_bytes(
-    spec: ModelSpec, positions: int, weights_dtype: str = "bf16", kv_dtype: str = "bf16"
+    spec: ModelSpec,
+    positions: int,
+    weights_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    batch: int = 1,
 ) -> int:
     """Bytes one uncached step reads, roughly: the weights once, plus the keys and values it
-    recomputes for `positions` positions (attention reads them back; nothing is kept)."""
+    recomputes for `positions` positions of each of `batch` sequences (attention reads them back;
+    nothing is kept)."""
     _check("positions", positions, 1)
-    return _weights_read_bytes(spec, weights_dtype) + kv_bytes(spec, positions, 1, kv_dtype)
+    _check("batch", batch, 1)
+    return _weights_read_bytes(spec, weights_dtype) + kv_bytes(spec, positions, batch, kv_dtype)
 
 
 def roofline_seconds(flops: float, bytes_read: float, gpu: GPUSpec) -> float:

@@ -198,6 +198,18 @@ def test_decode_bytes_are_weights_plus_cache():
     assert uncached_step_bytes(spec, 100) == weights_bytes(spec, "bf16") + kv_bytes(spec, 100)
 
 
+def test_a_batch_reads_the_weights_once_and_every_sequences_cache():
+    """B sequences together: B times the FLOPs, the weights once, B caches (exact integers)."""
+    spec = get_model("llama-3.1-8b")
+    weights, per_token = 16_060_522_496, 131_072
+    for batch in (1, 2, 16):
+        assert decode_step_bytes(spec, 300, batch=batch) == weights + batch * 300 * per_token
+        assert uncached_step_bytes(spec, 300, batch=batch) == weights + batch * 300 * per_token
+        assert uncached_step_flops(spec, 300, batch) == batch * uncached_step_flops(spec, 300)
+    with pytest.raises(ValueError, match="batch must be at least 1"):
+        uncached_step_bytes(spec, 300, batch=0)
+
+
 def test_decode_is_memory_bound_at_batch_1():
     spec, gpu = get_model("llama-3.1-8b"), get_gpu("h100")
 
