@@ -34,6 +34,7 @@ from textual.reactive import var
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
+from kvtui.engine.spec import parse_engine
 from kvtui.format import safe_text
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
@@ -42,6 +43,9 @@ from kvtui.screens.memory import MemoryScreen, gpu_from_probe
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import model_names
 from kvtui.sim.memory import KVPool, step_budget
+
+LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+"""The batches screen 3's n steps through (`--batch` takes any up to 256)."""
 
 MODES = ("recompute", "cache", "memory")
 """The lesson's screens, in order: keys 1, 2 and 3."""
@@ -147,6 +151,8 @@ class KVApp(App[int]):
     """Whether screen 2 shows the cached loop beside the uncached one."""
     device_gpu: var[str | None] = var(None, init=False)
     """The catalog GPU this machine's device matched (by name and memory), if any."""
+    batch: var[int] = var(1, init=False)
+    """Sequences `r` decodes together (`--batch`, then screen 3's n)."""
     kv_budget: var[int | None] = var(None, init=False)
     """The KV pool `r` asks for (`--kv-budget`, then screen 3's keys); None: the engine's
     default."""
@@ -191,6 +197,7 @@ class KVApp(App[int]):
         self._run_id = 0
         self.set_reactive(KVApp.length, self.validate_length(config.settings.tokens))
         self.set_reactive(KVApp.kv_budget, config.settings.kv_budget_bytes)
+        self.set_reactive(KVApp.batch, config.settings.batch)
         self._default_pool: int | None = None
         """The pool an engine took without a budget, once one has run: the budget keys' top."""
 
@@ -201,7 +208,7 @@ class KVApp(App[int]):
             "recompute": RecomputeScreen(self.live).data_bind(KVApp.length),
             "cache": CacheScreen(self.live).data_bind(KVApp.length, KVApp.cache_on),
             "memory": MemoryScreen(self.live).data_bind(
-                KVApp.device_gpu, KVApp.kv_budget, KVApp.length
+                KVApp.device_gpu, KVApp.kv_budget, KVApp.length, batch_next=KVApp.batch
             ),
         }
         for mode, screen in screens.items():
@@ -293,8 +300,21 @@ class KVApp(App[int]):
     def action_restart(self) -> None:
         """Run again, exactly the chosen length, on the chosen KV budget."""
         self.start_run(
-            replace(self.live.settings, tokens=self.length, kv_budget_bytes=self.kv_budget)
+            replace(
+                self.live.settings,
+                tokens=self.length,
+                kv_budget_bytes=self.kv_budget,
+                batch=self.batch,
+            )
         )
+
+    def action_batch(self) -> None:
+        """Screen 3's n: the next run's batch, doubling from 1 to 64 and round again; r runs
+        it."""
+        if parse_engine(self.live.settings.engine).kind in ("hf", "replay"):
+            self.notify("A batch runs on kvtui's own engines (tiny, shape:, sim:)", timeout=4)
+            return
+        self.batch = 1 if self.batch >= LIVE_BATCHES[-1] else self.batch * 2
 
     def action_budget(self, direction: int) -> None:
         """Screen 3's budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
@@ -317,7 +337,9 @@ class KVApp(App[int]):
             started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
         )
         current = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
-        need = pool.blocks_for(started.prompt_tokens + self.length - 1) * pool.block_bytes
+        need = (
+            pool.blocks_for(started.prompt_tokens + self.length - 1, self.batch) * pool.block_bytes
+        )
         budget = step_budget(current, need, direction, smallest=pool.block_bytes)
         if self._default_pool is not None:
             budget = min(budget, self._default_pool)

@@ -78,6 +78,13 @@ def format_ratio(ratio: float) -> str:
     return f"{_one_decimal(ratio)}x"
 
 
+def format_rate(per_second: float) -> str:
+    """A rate such as tokens per second: "1,023", "207", "12.4", "0.35"."""
+    if per_second >= 100:
+        return f"{per_second:,.0f}"
+    return f"{per_second:.1f}" if per_second >= 1 else f"{per_second:.2f}"
+
+
 def format_count(n: int, noun: str) -> str:
     """A count of things, with the noun in the singular or plural: "1 thread", "2 threads"."""
     return f"{n:,} {noun}{'' if n == 1 else 's'}"

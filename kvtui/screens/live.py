@@ -68,17 +68,20 @@ class LoopTrace:
     recent_bandwidth: list[float] = field(default_factory=list)
     finished: RunFinished | None = None
 
-    def add(self, sample: StepSample) -> None:
+    def add(self, sample: StepSample, batch: int = 1) -> None:
+        """Fold a step in; its positions are kept per sequence (a batch's step counts all
+        `batch` of them)."""
         self.steps = sample.step + 1
         self.text = (self.text + sample.text)[-MAX_TEXT_CHARS:]
         self.last_text = sample.text
         self.token_ids.append(sample.token_id)
         self.seconds_total += sample.step_seconds
         self.seconds_cumulative.append(self.seconds_total)
+        positions = sample.positions_computed // batch
         done = self.positions_cumulative[-1] if self.positions_cumulative else 0
-        self.positions_cumulative.append(done + sample.positions_computed)
+        self.positions_cumulative.append(done + positions)
         self.step_seconds.add(sample.step, sample.step_seconds)
-        self.positions.add(sample.step, sample.positions_computed)
+        self.positions.add(sample.step, positions)
         self.last = sample
         if sample.step_seconds > 0 and sample.step > 0:
             self.recent_bandwidth.append(sample.bytes_read / sample.step_seconds)
@@ -94,6 +97,8 @@ class LivePool:
     """Where its capacity came from, in words."""
     prompt_tokens: int
     run_tokens: int
+    batch: int
+    """Sequences decoded together, each with its own blocks."""
     allocated_bytes: int
     """Whole blocks taken (measured: the engine's own count of its tensors' blocks)."""
     filled_bytes: int
@@ -110,7 +115,8 @@ class LivePool:
 
     @property
     def filled_tokens(self) -> int:
-        return self.filled_bytes // self.pool.kv_bytes_per_token
+        """Positions cached per sequence."""
+        return self.filled_bytes // (self.pool.kv_bytes_per_token * self.batch)
 
     @property
     def tail_bytes(self) -> int:
@@ -124,7 +130,7 @@ class LivePool:
     @property
     def stops_at(self) -> int | None:
         """The token the cached loop stops at on this pool (predicted), None if the run fits."""
-        room = self.pool.tokens_before_full(self.prompt_tokens)
+        room = self.pool.tokens_before_full(self.prompt_tokens, self.batch)
         return room if room < self.run_tokens else None
 
 
@@ -169,7 +175,7 @@ class LiveRun:
     def apply(self, event: RunStarted | StepSample | RunFinished | RunFailed) -> None:
         """Fold one engine event in."""
         if isinstance(event, StepSample):
-            self.loops[event.loop].add(event)
+            self.loops[event.loop].add(event, self.batch)
             if self.state == "starting":
                 self.state = "running"
         elif isinstance(event, RunStarted):
@@ -198,6 +204,11 @@ class LiveRun:
     @property
     def model(self) -> str:
         return self.started.model if self.started else self.settings.engine
+
+    @property
+    def batch(self) -> int:
+        """Sequences the run decodes together (each step's counts are all of theirs)."""
+        return self.started.batch if self.started else self.settings.batch
 
     @property
     def prompt_tokens(self) -> int:
@@ -271,7 +282,7 @@ class LiveRun:
         last = self.loops["cached"].last
         if last is None or self.started is None:
             return None
-        return last.kv_bytes, self.started.kv_bytes_per_token * last.position
+        return last.kv_bytes, self.started.kv_bytes_per_token * last.position * self.batch
 
     def pool(self) -> LivePool | None:
         """The running engine's KV pool and what the cached loop holds of it now, measured; None
@@ -288,6 +299,7 @@ class LiveRun:
             source=started.kv_pool_source,
             prompt_tokens=started.prompt_tokens,
             run_tokens=started.tokens,
+            batch=started.batch,
             allocated_bytes=last.kv_bytes_allocated if last else 0,
             filled_bytes=last.kv_bytes if last else 0,
             steps=trace.steps,

@@ -24,6 +24,7 @@ from kvtui.format import (
     format_count,
     format_int,
     format_percent,
+    format_rate,
     format_tick,
     safe_text,
 )
@@ -31,12 +32,15 @@ from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LivePool, LiveRun
 from kvtui.sim.catalog import (
     GIB,
+    ConfigError,
+    ModelSpec,
     UnknownNameError,
     dtype_names,
     get_gpu,
     get_model,
     gpu_names,
     match_gpu,
+    model_from_hf_config,
     model_names,
 )
 from kvtui.sim.memory import LESSON_BUDGET, Budget, KVPool, budget, kv_bytes, vram_split
@@ -62,6 +66,19 @@ def gpu_from_probe(probe: dict | None) -> str | None:
     probe = probe or {}
     gpu = match_gpu(str(probe.get("name") or ""), probe.get("total_bytes") or None)
     return gpu.name if gpu else None
+
+
+def capacity_ticks(top: float, capacity: float, rows: int) -> tuple[list[float], list[str]]:
+    """The y axis's ticks (GiB) with the GPU's capacity among them, labelled with its own value,
+    so the capacity line is named on the row it is drawn on; nice ticks that would share or
+    crowd that row (within one) make way."""
+
+    def row(value: float) -> int:
+        return round(value / top * (rows - 1)) if top > 0 else 0
+
+    ticks = [t for t in fitting_ticks(top, 4, rows) if abs(row(t) - row(capacity)) > 1]
+    ticks = sorted([*ticks, capacity])
+    return ticks, [f"{format_tick(t)} GiB" for t in ticks]
 
 
 MEMORY_CAPTION = (
@@ -104,6 +121,7 @@ class MemoryScreen(LessonScreen):
         Binding("left_square_bracket", "app.budget(-1)", "Budget", key_display="[ ]"),
         Binding("right_square_bracket", "app.budget(1)", "Budget +", show=False),
         Binding("backslash", "app.budget(0)", "Default budget", show=False),
+        Binding("n", "app.batch", "Batch", show=False),
         Binding("left", "context(-1)", "Context -", show=False),
         Binding("plus,equals_sign", "context_scale(2)", "Context x2", show=False),
         Binding("minus", "context_scale(0.5)", "Context /2", show=False),
@@ -124,12 +142,16 @@ class MemoryScreen(LessonScreen):
     """The KV pool the next run asks for (the App's, followed); None: the engine's default."""
     length: reactive[int] = reactive(256, init=False)
     """The answer length the next run generates (the App's, followed)."""
+    batch_next: reactive[int] = reactive(1, init=False)
+    """The batch the next run decodes (the App's `batch`, followed; `batch` is the what-if's)."""
 
     def __init__(self, live: LiveRun, *, name: str | None = None) -> None:
         super().__init__(live, name=name)
         self._gpu_chosen = self._model_chosen = False
         self._followed = ""
         """The engine the what-if last followed."""
+        self._own_model: ModelSpec | None = None
+        """The running `--model DIR`'s shape, read from its config.json, once it has run."""
 
     def compose_body(self) -> ComposeResult:
         yield VramBar(id="live-bar")
@@ -202,14 +224,19 @@ class MemoryScreen(LessonScreen):
     def action_next_batch(self) -> None:
         self.batch = self._next(list(BATCHES), self.batch)
 
+    def model_spec(self) -> ModelSpec:
+        """The what-if's model: a catalog entry, or the running `--model DIR`'s own config."""
+        own = self._own_model
+        return own if own is not None and own.name == self.model else get_model(self.model)
+
     def budget(self) -> Budget:
         return budget(
-            get_model(self.model),
+            self.model_spec(),
             get_gpu(self.gpu),
             self.context,
             self.batch,
             self.kv_dtype,
-            get_model(self.model).default_dtype,
+            self.model_spec().default_dtype,
         )
 
     # --- drawing -----------------------------------------------------------------------------
@@ -284,6 +311,8 @@ class MemoryScreen(LessonScreen):
     def watch_kv_budget(self) -> None:
         self.mark_dirty()
 
+    watch_batch_next = watch_kv_budget
+
     def _follow_the_run(self) -> None:
         """Start the what-if from the running model (and a `sim:` engine's GPU), unless the
         presenter chose them by hand; once per run's engine."""
@@ -294,6 +323,12 @@ class MemoryScreen(LessonScreen):
         try:
             spec = parse_engine(engine)
         except EngineError:
+            return
+        if spec.kind == "hf" and spec.path is not None and not self._model_chosen:
+            with contextlib.suppress(ConfigError, OSError):
+                self._own_model = model_from_hf_config(spec.path / "config.json")
+                self.model = self._own_model.name
+                self.context = min(self.context, self._own_model.max_context)
             return
         name = "tiny-austen" if spec.kind == "tiny" else spec.model
         if spec.kind in ("tiny", "shape", "sim") and name and not self._model_chosen:
@@ -397,17 +432,20 @@ class MemoryScreen(LessonScreen):
                 if predicted is not None
                 else f"this run's {format_int(P + live.run_tokens)} fit. "
             )
-        budget = self.kv_budget
-        if budget is not None and budget != pool.capacity_bytes:
+        budget = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
+        B = self.batch_next
+        if budget != pool.capacity_bytes or live.batch != B or self.length != live.run_tokens:
             nxt = KVPool(budget, pool.block_tokens, pool.kv_bytes_per_token)
-            room = nxt.tokens_before_full(P)
+            room = nxt.tokens_before_full(P, B)
             after = (
                 f"it stops after {format_int(room)} tokens"
                 if room < self.length
                 else f"{format_int(self.length)} tokens fit"
             )
+            rows, each = (f", batch {B}", " each") if B > 1 else ("", "")
+            holds = format_int(nxt.tokens_per_sequence(B))
             words.append(
-                f"Next run: {format_bytes(budget)} holds {format_int(nxt.tokens)}, {after}: r.",
+                f"Next run: {format_bytes(budget)}{rows} holds {holds}{each}, {after}: r.",
                 style="bold",
             )
         return words
@@ -440,14 +478,30 @@ class MemoryScreen(LessonScreen):
                 )
             else:
                 lines.append(f"reads {format_bandwidth(achieved)} (peak unknown)")
-        if last and last.bytes_read:
-            lines.append(f"{last.flops / last.bytes_read:.1f} FLOPs/byte: decode is memory-bound")
+        trace, B = self.live.loop("cached"), self.live.batch
+        if trace.steps > 1 and trace.seconds_total > 0:
+            rate = trace.steps / trace.seconds_total  # steps per second: each a token per row
+            lines.append(
+                f"batch {B} (n): {format_rate(rate)} tok/s per sequence, "
+                f"{format_rate(rate * B)} in all"
+                if B > 1
+                else f"batch 1 (n): {format_rate(rate)} tok/s"
+            )
+        if last and last.bytes_read and last.step > 0:
+            intensity = last.flops / last.bytes_read
+            ridge = started.ridge_flops_per_byte
+            if ridge:
+                bound = "memory-bound" if intensity < ridge else "compute-bound"
+                lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
+            else:
+                lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known for a CPU)")
+        lines.append("[dim]uncached loop: no KV cache, it recomputes[/dim]")
         return "\n".join(lines)
 
     def _draw_memory(self, plt: Plot, points: int) -> None:
         chart = self.query_one("#memory-chart", Chart)
         b = self.budget()
-        spec = get_model(self.model)
+        spec = self.model_spec()
         fixed = b.weights_bytes + b.reserve_bytes
         longest = b.max_context_tokens or self.context
         right = max(self.context, longest) * 1.25
@@ -462,5 +516,4 @@ class MemoryScreen(LessonScreen):
         plt.ylim(0, top)
         xt = nice_ticks(right, 4)
         plt.xticks(xt, [format_tick(t) for t in xt])
-        yt = fitting_ticks(top, 4, chart.rows)
-        plt.yticks(yt, [f"{format_tick(t)} GiB" for t in yt])
+        plt.yticks(*capacity_ticks(top, b.vram_bytes / GIB, chart.rows))

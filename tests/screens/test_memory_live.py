@@ -43,8 +43,7 @@ def finished(app) -> bool:
 async def test_a_small_budget_stops_the_run_red_and_a_larger_one_runs_again():
     app = sim_app(replace(SIM, kv_budget_bytes=4 << 20))  # 32 tokens of 128 KiB
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: finished(app))
-        await pilot.pause()
+        await wait_for(pilot, lambda: finished(app) and "Stopped:" in words(app))
         assert isinstance(app.screen, MemoryScreen)
         predicted = KVPool(4 << 20, 16, PER_TOKEN).tokens_before_full(1)
         assert predicted == 32
@@ -62,11 +61,10 @@ async def test_a_small_budget_stops_the_run_red_and_a_larger_one_runs_again():
         assert "Next run: 8 MiB holds 64, 64 tokens fit: r." in words(app)
         await pilot.press("r")
         await wait_for(pilot, lambda: finished(app) and app.live.started is not None)
-        await pilot.pause()
         assert app.live.loop("cached").steps == 64
         assert app.live.loop("cached").finished.reason == "done"
         await wait_for(pilot, lambda: not bar.has_class("-overflow"))
-        assert "KV cache full" not in screen_text(app)
+        await wait_for(pilot, lambda: "KV cache full" not in screen_text(app))
 
 
 async def test_the_budget_keys_step_by_powers_of_two_from_the_runs_own_size():
@@ -93,8 +91,7 @@ async def test_the_live_bar_counts_weights_blocks_slots_and_the_free_pool():
     """Filled + the last block's tail + free = the pool; the parts are the engine's own."""
     app = sim_app(replace(SIM, tokens=40))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: finished(app))
-        await pilot.pause()
+        await wait_for(pilot, lambda: finished(app) and "blocks taken" in words(app))
         live = app.live.pool()
         assert live.filled_bytes == 40 * PER_TOKEN  # positions 0..39 cached after 40 steps
         assert live.allocated_bytes == 3 * 16 * PER_TOKEN and live.blocks == 3
@@ -110,8 +107,7 @@ async def test_the_live_bar_counts_weights_blocks_slots_and_the_free_pool():
 async def test_the_what_if_starts_from_the_running_model_and_is_labelled():
     app = sim_app(replace(SIM, engine="sim:llama-3.2-1b@l4"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: finished(app))
-        await pilot.pause()
+        await wait_for(pilot, lambda: finished(app) and app.screen.model == "llama-3.2-1b")
         assert (app.screen.model, app.screen.gpu) == ("llama-3.2-1b", "l4")
         title = str(app.screen.query_one("#whatif-title", Static).render())
         assert title.startswith("WHAT-IF (modelled") and "the sim engine's GPU" in title
@@ -130,8 +126,26 @@ def test_the_share_card_never_contradicts_the_status():
 async def test_at_80x24_the_live_pool_and_what_if_are_both_on_screen():
     app = sim_app(replace(SIM, kv_budget_bytes=4 << 20))
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: finished(app))
-        await pilot.pause()
+        await wait_for(pilot, lambda: finished(app) and "Stopped:" in words(app))
         text = words(app)
         assert "LIVE (modelled)" in text and "WHAT-IF" in text and "Stopped:" in text
         assert kv_bytes_per_token(get_model("llama-3.1-8b")) == PER_TOKEN
+
+
+async def test_n_runs_a_batch_whose_counts_stay_per_sequence_and_whose_pool_holds_all():
+    app = sim_app(replace(SIM, tokens=24))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        await pilot.press("n", "n")  # batch 1 -> 2 -> 4
+        assert app.batch == 4
+        await wait_for(
+            pilot, lambda: "Next run: " in words(app) and ", batch 4 holds" in words(app)
+        )
+        await pilot.press("r")
+        await wait_for(pilot, lambda: finished(app) and "batch 4 (n):" in words(app))
+        assert app.live.started.batch == 4
+        uncached = app.live.loop("uncached").positions_cumulative
+        assert uncached[-1] == 300  # per sequence: the lesson's 24 tokens, 300 positions
+        live = app.live.pool()
+        assert live.filled_bytes == 4 * 24 * PER_TOKEN and live.filled_tokens == 24
+        assert "batch 4 (n):" in words(app) and "per sequence" in words(app)
