@@ -9,7 +9,8 @@
 #    step recorded, so the run can be replayed on a laptop (`kvtui --engine replay:FILE`);
 # 3. the KV pool: shape:llama-3.1-8b with `--kv-budget 32MiB` (256 positions of 128 KiB: the
 #    cached loop must stop out_of_memory after 256 - 44 + 1 = 213 tokens), and the default run's
-#    pool (the GPU's share, --gpu-memory-utilization 0.9) as the engine sized it;
+#    pool (the GPU's share, --gpu-memory-utilization 0.9) as the engine sized it; then a batch
+#    sweep, --batch 1,4,16,64 on shape:llama-3.1-8b: tokens/s and achieved bandwidth per batch;
 # 4. a summary: tokens/s, identical ids, the pool, KV bytes allocated and filled against the
 #    formula, how the cached loop ended, and the memory bandwidth a cached step achieves
 #    (weights + KV bytes read / step time) against the GPU's peak from NVML.
@@ -43,13 +44,37 @@ for engine in $engines; do
     fi
 done
 
-budgeted="shape:llama-3.1-8b"
+budgeted=${BUDGETED:-shape:llama-3.1-8b}
 echo "== kvtui bench --engine $budgeted --device $device --tokens 400 --kv-budget 32MiB"
 if ! python -m kvtui bench --engine "$budgeted" --device "$device" --tokens 400 --seed 1 \
     --kv-budget 32MiB --json >"$out/budget-32MiB.json" 2>"$out/budget-32MiB.err"; then
     failed=1
     tail -3 "$out/budget-32MiB.err"
 fi
+
+echo "== kvtui bench --engine $budgeted --device $device --tokens 128 --batch 1,4,16,64"
+if ! python -m kvtui bench --engine "$budgeted" --device "$device" --tokens 128 --seed 1 \
+    --batch 1,4,16,64 --json >"$out/batch-sweep.json" 2>"$out/batch-sweep.err"; then
+    failed=1
+    tail -3 "$out/batch-sweep.err"
+fi
+python - "$out/batch-sweep.json" <<'EOF' | tee "$out/batch-sweep.txt"
+import json
+import sys
+
+try:
+    sweep = json.load(open(sys.argv[1]))["sweep"]
+except (OSError, ValueError, KeyError):
+    sys.exit(f"batch sweep: no result (see {sys.argv[1]})")
+for r in sweep:
+    c, bw = r["cached"], r.get("achieved_bandwidth_bytes_per_s") or 0
+    print(
+        f"batch {r['batch']}: {c['tokens_per_s_per_sequence']:.1f} tok/s per sequence, "
+        f"{c['tokens_per_s_total']:.1f} in all, TPOT {(c['tpot_s'] or 0) * 1e3:.2f} ms, "
+        f"reads {bw / 1e9:.0f} GB/s, {r['flops_per_byte'] or 0:.1f} FLOPs/byte "
+        f"(ridge {r.get('ridge_flops_per_byte')})"
+    )
+EOF
 
 echo "== summary"
 python - "$out" $engines budget-32MiB <<'EOF' | tee "$out/summary.txt"

@@ -24,6 +24,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
   c            cache on / off (2)
   v            work per step or running totals (2, short terminals)
   [ ] \\        next run's KV budget: smaller, larger, default (3)
+  n            next run's batch: 1, 2, 4 ... 64 sequences (3)
   m g k b      what-if model, GPU, KV dtype, batch (3)
   t            explain it back: the lesson's questions
   ctrl+p       command palette: engine, model and GPU

@@ -25,6 +25,7 @@ from kvtui.format import (
     format_int,
     format_percent,
     format_rate,
+    format_seconds,
     format_tick,
     safe_text,
 )
@@ -479,6 +480,15 @@ class MemoryScreen(LessonScreen):
             else:
                 lines.append(f"reads {format_bandwidth(achieved)} (peak unknown)")
         trace, B = self.live.loop("cached"), self.live.batch
+        if trace.steps > 1 and trace.seconds_total > trace.seconds_cumulative[0] > 0:
+            # prefill reads the prompt in one pass; decode writes one position per step
+            first = trace.seconds_cumulative[0]
+            later = (trace.seconds_total - first) / (trace.steps - 1)
+            P = started.prompt_tokens
+            lines.append(
+                f"prefill {format_seconds(first)}: {format_rate(P * B / first)} pos/s\n"
+                f"decode {format_seconds(later)}/token: {format_rate(B / later)} pos/s"
+            )
         if trace.steps > 1 and trace.seconds_total > 0:
             rate = trace.steps / trace.seconds_total  # steps per second: each a token per row
             lines.append(
