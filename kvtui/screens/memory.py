@@ -72,12 +72,12 @@ def gpu_from_probe(probe: dict | None) -> str | None:
 def capacity_ticks(top: float, capacity: float, rows: int) -> tuple[list[float], list[str]]:
     """The y axis's ticks (GiB) with the GPU's capacity among them, labelled with its own value,
     so the capacity line is named on the row it is drawn on; nice ticks that would share or
-    crowd that row (within one) make way."""
+    crowd that row (within two: plotext's rows are rounded) make way."""
 
     def row(value: float) -> int:
         return round(value / top * (rows - 1)) if top > 0 else 0
 
-    ticks = [t for t in fitting_ticks(top, 4, rows) if abs(row(t) - row(capacity)) > 1]
+    ticks = [t for t in fitting_ticks(top, 4, rows) if abs(row(t) - row(capacity)) > 2]
     ticks = sorted([*ticks, capacity])
     return ticks, [f"{format_tick(t)} GiB" for t in ticks]
 
@@ -381,8 +381,14 @@ class MemoryScreen(LessonScreen):
             )
             return
         pool = live.pool
+        rows = f" x {live.batch}" if live.batch > 1 else ""
         kv = [
-            Part("KV filled", live.filled_bytes, "kv", f"({format_int(live.filled_tokens)} tok)"),
+            Part(
+                "KV filled",
+                live.filled_bytes,
+                "kv",
+                f"({format_int(live.filled_tokens)} tok{rows})",
+            ),
             Part("block tail", live.tail_bytes, "tail"),
             Part("free pool", live.free_bytes, "free"),
         ]
@@ -424,8 +430,9 @@ class MemoryScreen(LessonScreen):
         else:
             words.append(
                 f"{format_int(live.blocks)} of {format_int(pool.blocks)} blocks taken "
-                f"({format_bytes(live.allocated_bytes)}). Holds {format_int(pool.tokens)} "
-                "tokens: "
+                f"({format_bytes(live.allocated_bytes)}). Holds "
+                f"{format_int(pool.tokens_per_sequence(live.batch))} tokens"
+                + (f" per sequence of {live.batch}: " if live.batch > 1 else ": ")
             )
             words.append(
                 f"this run stops after {format_int(predicted)} of its "
@@ -513,7 +520,7 @@ class MemoryScreen(LessonScreen):
         b = self.budget()
         spec = self.model_spec()
         fixed = b.weights_bytes + b.reserve_bytes
-        longest = b.max_context_tokens or self.context
+        longest = min(b.max_context_tokens or self.context, spec.max_context)
         right = max(self.context, longest) * 1.25
         xs = sample_points(int(right), points, first=0)
         ys = [(fixed + kv_bytes(spec, x, b.batch, b.kv_dtype)) / GIB for x in xs]
