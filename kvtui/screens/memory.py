@@ -265,6 +265,8 @@ class MemoryScreen(LessonScreen):
         longest = self.query_one("#max-context", StatCard)
         if b.max_context_tokens is None:
             longest.value, longest.note = "no limit", "every layer slides"
+        elif b.max_context_tokens > (limit := self.model_spec().max_context):
+            longest.value, longest.note = format_int(limit), "the model's own limit"
         else:
             longest.value = format_int(b.max_context_tokens)
             longest.note = f"tokens x {b.batch}"
