@@ -514,12 +514,15 @@ def make_app(
 
 
 SIGNAL_GRACE_S = 2.0
-"""After SIGTERM or SIGHUP, how long the app may take to end as `q` does before it is ended."""
+"""After SIGINT, SIGTERM or SIGHUP, how long the app may take to end as `q` does before it is
+ended."""
 
 
 def run_app(settings: RunSettings, screen: int = 1) -> int:
-    """Open the app on a screen, run it, and return its exit code. SIGTERM and SIGHUP end it
-    as `q` does: the terminal is restored and the engine's process closed."""
+    """Open the app on a screen, run it, and return its exit code. SIGINT, SIGTERM and SIGHUP
+    end it as `q` does (the terminal is restored and the engine's process closed), with the exit
+    code a shell expects of that signal (130, 143, 129): left to asyncio, a SIGINT ended the
+    app with 0, as if it had succeeded."""
     app = make_app(settings, screen)
 
     def leave(signum: int, frame: object) -> None:
@@ -540,7 +543,8 @@ def run_app(settings: RunSettings, screen: int = 1) -> int:
             app.engine.close(timeout=0.5)
         os._exit(code)
 
-    previous = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, leave) for sig in signals}
     try:
         result = app.run()
     finally:

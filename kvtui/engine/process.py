@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import IO
 
 from kvtui.engine.protocol import (
     EngineError,
@@ -101,10 +102,13 @@ class EngineProcess:
     def __init__(self, settings: RunSettings) -> None:
         self.settings = settings
         self._proc: subprocess.Popen[str] | None = None
-        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
+        self._stderr: IO[str] | None = None
+        """The child's stderr, for the reason it died: made with the child, closed with it (an
+        engine made and never started holds no file)."""
         self._lock = threading.Lock()
 
     def start(self) -> None:
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
         self._proc = subprocess.Popen(
             child_command(),
             stdin=subprocess.PIPE,
@@ -173,8 +177,10 @@ class EngineProcess:
             yield RunFailed(self._death_message(code))
 
     def _death_message(self, code: int) -> str:
-        self._stderr.seek(0)
-        lines = [line.strip() for line in self._stderr.read().splitlines() if line.strip()]
+        lines = []
+        if self._stderr is not None:
+            self._stderr.seek(0)
+            lines = [line.strip() for line in self._stderr.read().splitlines() if line.strip()]
         why = lines[-1] if lines else ""
         how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
         return f"decode engine {how}" + (f": {safe_text(why, one_line=True)}" if why else "")
@@ -197,11 +203,10 @@ class EngineProcess:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-        for stream in (proc.stdout, proc.stdin):
+        for stream in (proc.stdout, proc.stdin, self._stderr):
             with contextlib.suppress(OSError, ValueError):
                 if stream:
                     stream.close()
-        self._stderr.close()
 
 
 # --- the child ----------------------------------------------------------------------------------

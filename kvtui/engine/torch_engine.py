@@ -25,6 +25,8 @@ process goes on.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
 import time
@@ -271,6 +273,27 @@ def encode_text(text: str, device: torch.device | str = "cpu") -> Tensor:
 
 
 # --- devices, weights and shapes -----------------------------------------------------------------
+
+
+def trim_host_memory() -> None:
+    """Hand the host memory a finished loop freed back to the system (glibc's `malloc_trim`).
+
+    glibc keeps much of what the uncached loop's long steps freed (the whole sequence's
+    activations: +70 MiB of RSS after 4,000 positions of the tiny model, of which all but 5 MiB
+    is free), so an engine's RSS would climb run after run without it. Elsewhere than glibc, a
+    no-op."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim` from the running process's own symbols; None without glibc."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def pick_device(name: str) -> torch.device:
@@ -577,6 +600,7 @@ class TorchEngine(ABC):
             run = None
             if loop == "cached":
                 self.free_cache()
+            trim_host_memory()  # after the loop, outside every timed step
         reason = "out_of_memory" if stopped else "done"
         yield RunFinished(
             loop, reason, done, stopped, kv_bytes_allocated=allocated, kv_bytes_filled=filled

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Container
 from textual.events import Resize
-from textual.reactive import reactive
+from textual.reactive import var
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from kvtui.format import format_count
 from kvtui.screens.live import LiveRun
 from kvtui.widgets.chart import Chart
+from kvtui.widgets.footer import KeysFooter
 from kvtui.widgets.header import RunHeader
+from kvtui.widgets.note import Note
 from kvtui.widgets.too_small import TooSmall, too_small
 
 REDRAWS_PER_SECOND = 10
 """How often a screen may redraw from new engine data (the reader posts at most ~20 a second)."""
+
+HELD_AT_MOST_S = 0.3
+"""Keys held down (auto-repeat) hold the run's redraws back at most this long (`hold_redraws`)."""
 
 
 class LessonScreen(Screen):
@@ -25,7 +32,8 @@ class LessonScreen(Screen):
 
     Subclasses implement `compose_body` and `redraw`. `redraw` runs from a timer, at most
     REDRAWS_PER_SECOND times a second, and only when the run changed or `mark_dirty` was called,
-    and only while this screen is the one shown: a paused app does no drawing at all.
+    and only while this screen is the one shown: a paused app does no drawing at all. A key that
+    changes a line calls `hold_redraws`, so that its frame is not also the frame of a redraw.
     """
 
     TITLE_TEXT = ""
@@ -35,6 +43,8 @@ class LessonScreen(Screen):
         self.live = live
         self._drawn_version = -1
         self._dirty = True
+        self._held = False
+        self._redrawn_at = 0.0
         self.ready = False
         """True once composed and mounted: before that there are no widgets to update."""
 
@@ -44,7 +54,7 @@ class LessonScreen(Screen):
         with Container(classes="lesson-body"):
             yield from self.compose_body()
         yield TooSmall()
-        yield Footer(show_command_palette=False)
+        yield KeysFooter(show_command_palette=False)
 
     def compose_body(self) -> ComposeResult:
         yield from ()
@@ -74,17 +84,39 @@ class LessonScreen(Screen):
         """Draw the run now rather than at the next tick (when this screen is shown), charts
         included."""
         self.mark_dirty()
-        self._tick()
+        self._redraw_if_changed()
         for chart in self.query(Chart):
             chart.draw_now()
 
+    def hold_redraws(self) -> None:
+        """Keep the run's redraws out of the next frame: a key changed a line, and that frame
+        should cost the line, not the cards, streams and plots of a redraw (tens of ms on a small
+        CPU). Released once the frame is drawn; keys held down (auto-repeat) delay a redraw by
+        at most HELD_AT_MOST_S, so the run keeps moving."""
+        if self._held or not self.is_current:
+            return
+        self._held = True
+        for chart in self.query(Chart):
+            chart.hold()
+        self.call_after_refresh(self._release_redraws)
+
+    def _release_redraws(self) -> None:
+        self._held = False
+        for chart in self.query(Chart):
+            chart.release()
+
     def _tick(self) -> None:
+        if not self._held or time.monotonic() - self._redrawn_at >= HELD_AT_MOST_S:
+            self._redraw_if_changed()
+
+    def _redraw_if_changed(self) -> None:
         if not self.is_current or self.has_class("-too-small"):
             return
         if not self._dirty and self._drawn_version == self.live.version:
             return
         self._dirty = False
         self._drawn_version = self.live.version
+        self._redrawn_at = time.monotonic()
         self.query_one(RunHeader).show(
             self.live.device_description,
             self.live.settings.engine,
@@ -144,9 +176,12 @@ class WorkScreen(LessonScreen):
         Binding("l", "app.lesson", "Lesson", show=False),
     ]
 
-    length: reactive[int] = reactive(256, init=False)
+    length: var[int] = var(256, init=False)
+    """The App's answer length (bound): a `var`, since the screen repaints only the line that
+    shows it, not itself."""
 
     def watch_length(self, length: int) -> None:
+        self.hold_redraws()
         self.show_run_note()
 
     def on_mount(self) -> None:
@@ -175,6 +210,6 @@ class WorkScreen(LessonScreen):
         """Put `run_note` in the `#run-note` line; `-beyond` marks a length `r` would change."""
         if not self.ready:
             return
-        note = self.query_one("#run-note", Static)
-        note.update(self.run_note())
+        note = self.query_one("#run-note", Note)
+        note.show(self.run_note())
         note.set_class(self.pending() or self.live.past_training() is not None, "-beyond")

@@ -7,8 +7,7 @@ import statistics
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.reactive import reactive
-from textual.widgets import Static
+from textual.reactive import var
 from textual_plotext.plot import Plot
 
 from kvtui.engine.protocol import EngineError
@@ -20,6 +19,7 @@ from kvtui.sim.catalog import UnknownNameError, get_gpu, get_model
 from kvtui.sim.work import compute_bound_positions
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, downsample, fitting_ticks, nice_ticks
+from kvtui.widgets.note import Note
 from kvtui.widgets.stream import TokenStream
 
 CAPTION = "{uncached} without a cache   {cached} with a cache   (counted by the engine)   x: tokens"
@@ -46,7 +46,8 @@ class CacheScreen(WorkScreen):
         Binding("v", "toggle_totals", "Per step/total", show=False),
     ]
 
-    cache_on: reactive[bool] = reactive(True, init=False)
+    cache_on: var[bool] = var(True, init=False)
+    """The App's cache toggle (bound); its watcher sets a class and redraws what changed."""
 
     def compose_body(self) -> ComposeResult:
         with Horizontal(classes="cards"):
@@ -57,15 +58,15 @@ class CacheScreen(WorkScreen):
         with Horizontal(classes="middle"):
             with Vertical(classes="streams"):
                 yield TokenStream("Without a cache", id="stream-uncached")
-                yield Static("", id="same-mark")
+                yield Note(id="same-mark")
                 yield TokenStream("With a cache", id="stream-cached")
             with Vertical(classes="charts"):
                 yield Chart(id="per-step")
                 yield Chart(id="cumulative")
                 yield Caption(CAPTION, classes="caption -wide-caption")
                 yield Caption(CAPTION_NARROW, classes="caption -narrow-caption")
-                yield Static("", id="run-note", classes="run-note")
-        yield Static("", classes="narrative", id="why")
+                yield Note(id="run-note", classes="run-note")
+        yield Note(classes="narrative", id="why")
 
     def watch_cache_on(self, cache_on: bool) -> None:
         self.set_class(not cache_on, "-cache-off")
@@ -114,22 +115,22 @@ class CacheScreen(WorkScreen):
         self._show_mark()
         self.show_cards()
         self.show_run_note()
-        self.query_one("#why", Static).update(self._why())
+        self.query_one("#why", Note).show(self._why())
         self.query_one("#per-step", Chart).draw(self._draw_per_step)
         self.query_one("#cumulative", Chart).draw(self._draw_cumulative)
 
     def _show_mark(self) -> None:
-        mark = self.query_one("#same-mark", Static)
+        mark = self.query_one("#same-mark", Note)
         n = self.live.compared_steps()
         diverged = self.live.first_divergence()
         mark.set_class(diverged is not None, "-diverged")
         mark.set_class(diverged is None and n > 0, "-identical")
         if diverged is not None:
-            mark.update(f"✗ first divergence at step {diverged + 1:,}")
+            mark.show(f"✗ first divergence at step {diverged + 1:,}")
         elif n:
-            mark.update(f"✓ identical so far: {n:,} tokens")
+            mark.show(f"✓ identical so far: {n:,} tokens")
         else:
-            mark.update("… comparing the two streams")
+            mark.show("… comparing the two streams")
 
     def _why(self) -> str:
         if self.live.timing != "measured":

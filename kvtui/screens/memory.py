@@ -285,10 +285,9 @@ class MemoryScreen(LessonScreen):
         )
         self.set_class(over, "-overflow")
         self.query_one("#scenario", Static).update(
-            f"[b]{b.model_label}[/b] ({b.weights_dtype}) on [b]{b.gpu}[/b]\n"
+            f"[b]What-if:[/b] {escape(b.model_label)} ({b.weights_dtype}) on [b]{b.gpu}[/b]\n"
             f"context {format_int(b.context_tokens)} tokens (←→ -+)\n"
-            f"batch {b.batch} (b) · KV {b.kv_dtype} (k)\n"
-            "m model · g GPU · t explain it back"
+            f"batch {b.batch} (b) · KV {b.kv_dtype} (k) · m g"
         )
         advice = self.query_one("#advice", Static)
         more = self.query_one("#advice-more", Static)
@@ -466,10 +465,8 @@ class MemoryScreen(LessonScreen):
         started = self.live.started
         if started is None:
             return "[dim]The running engine's memory appears here once it starts.[/dim]"
-        where = started.device.split(" (")[0]
-        if started.threads > 0 and not where.startswith("sim"):
-            where += f", {format_count(started.threads, 'thread')}"
-        lines = [f"[b]Live:[/b] {escape(safe_text(started.model))} on {escape(safe_text(where))}"]
+        threads = format_count(started.threads, "thread") if started.threads > 0 else ""
+        lines = [f"[b]Live[/b] ({self.live.timing}{', ' + threads if threads else ''}):"]
         measured = self.live.kv_bytes_measured()
         if measured:
             held, formula = measured
@@ -488,6 +485,14 @@ class MemoryScreen(LessonScreen):
                 )
             else:
                 lines.append(f"reads {format_bandwidth(achieved)} (peak unknown)")
+        if last and last.bytes_read and last.step > 0:
+            intensity = last.flops / last.bytes_read
+            ridge = started.ridge_flops_per_byte
+            if ridge:
+                bound = "memory-bound" if intensity < ridge else "compute-bound"
+                lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
+            else:
+                lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known for a CPU)")
         trace, B = self.live.loop("cached"), self.live.batch
         if trace.steps > 1 and trace.seconds_total > trace.seconds_cumulative[0] > 0:
             # prefill reads the prompt in one pass; decode writes one position per step
@@ -506,14 +511,6 @@ class MemoryScreen(LessonScreen):
                 if B > 1
                 else f"batch 1 (n): {format_rate(rate)} tok/s"
             )
-        if last and last.bytes_read and last.step > 0:
-            intensity = last.flops / last.bytes_read
-            ridge = started.ridge_flops_per_byte
-            if ridge:
-                bound = "memory-bound" if intensity < ridge else "compute-bound"
-                lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
-            else:
-                lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known for a CPU)")
         lines.append("[dim]uncached loop: no KV cache, it recomputes[/dim]")
         return "\n".join(lines)
 

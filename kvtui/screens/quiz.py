@@ -12,8 +12,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, OptionList, Static
+from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
+
+from kvtui.widgets.footer import KeysFooter
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ class QuizScreen(Screen[int]):
             yield Static("", classes="quiz-question")
             yield OptionList()
             yield Static("", id="feedback")
-        yield Footer()
+        yield KeysFooter()
 
     def on_mount(self) -> None:
         self.show_question()

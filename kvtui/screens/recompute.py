@@ -24,6 +24,7 @@ from kvtui.widgets.chart import (
     sample_points,
     step_line,
 )
+from kvtui.widgets.note import Note
 from kvtui.widgets.stream import TokenStream
 
 NARRATIVE = (
@@ -66,7 +67,7 @@ class RecomputeScreen(WorkScreen):
                 yield Chart(id="staircase")
                 yield Caption(CAPTION, classes="caption -wide-caption")
                 yield Caption(CAPTION_NARROW, classes="caption -narrow-caption")
-                yield Static("", id="run-note", classes="run-note")
+                yield Note(id="run-note", classes="run-note")
         yield Static(NARRATIVE, classes="narrative")
 
     def show_cards(self) -> None:
@@ -80,9 +81,10 @@ class RecomputeScreen(WorkScreen):
             per_step.value = total.value = wasted.value = "…"
             per_step.note = total.note = wasted.note = "measured"
         else:
-            done = trace.positions_cumulative[-1]
-            redone = done - last.positions_computed  # every position but the newest, again
-            per_step.value = format_ratio(last.positions_computed)
+            done = trace.positions_cumulative[-1]  # per sequence, as the staircase
+            newest = last.positions_computed // self.live.batch
+            redone = done - newest  # every position but the newest, again
+            per_step.value = format_ratio(newest)
             per_step.note = f"step {trace.steps:,}"
             total.value, total.note = format_int(done), f"{trace.steps:,} steps"
             wasted.value = format_int(redone)

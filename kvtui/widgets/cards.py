@@ -5,7 +5,9 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.reactive import reactive
 from textual.widget import Widget
-from textual.widgets import Digits, Static
+from textual.widgets import Digits
+
+from kvtui.widgets.note import Note
 
 _DIGIT_CHARS = set("0123456789.x+-")
 
@@ -62,7 +64,7 @@ class StatCard(Widget):
 
     def compose(self) -> ComposeResult:
         yield Digits(self.value)
-        yield Static(self.value, classes="card--text")
+        yield Note(self.value, classes="card--text")
 
     def on_mount(self) -> None:
         self._show()
@@ -80,11 +82,11 @@ class StatCard(Widget):
     def _show(self) -> None:
         if not self.children:  # not composed yet
             return
-        digits, text = self.query_one(Digits), self.query_one(".card--text", Static)
+        digits, text = self.query_one(Digits), self.query_one(".card--text", Note)
         width, height = self.content_size.width, self.content_size.height
         big = set(self.value) <= _DIGIT_CHARS and 3 * len(self.value) <= width and height >= 3
         digits.display, text.display = big, not big
         if big:
             digits.update(self.value)
         else:
-            text.update(self.value)
+            text.show(self.value)

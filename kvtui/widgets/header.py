@@ -45,8 +45,10 @@ class RunHeader(Widget):
         `label`), used when the line is narrow."""
         for name in ("running", "paused", "done", "failed", "stopped", "starting"):
             self.set_class(name == state, f"-{name}")
-        self._parts = (MARKS.get(state, "… ") + status, engine, model, device, device_label)
-        self.refresh()
+        parts = (MARKS.get(state, "… ") + status, engine, model, device, device_label)
+        if parts != self._parts:  # a redraw that changed nothing repaints nothing
+            self._parts = parts
+            self.refresh()
 
     def variants(self) -> list[Text]:
         """The header's line, from the fullest wording to the shortest."""

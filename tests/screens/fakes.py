@@ -92,6 +92,8 @@ def sim_events(
         kv_capacity_bytes=kv_capacity(spec, card, 1).kv_bytes_available_per_gpu,
         kv_block_tokens=16,
         kv_pool_source="modelled",
+        ridge_flops_per_byte=card.ridge_flops_per_byte,
+        ridge_source=f"the catalog's {card.display_name}",
     )
     steps: dict[str, list[StepSample]] = {loop: [] for loop in settings.loops}
     for step in range(settings.tokens):

@@ -18,12 +18,14 @@ async def test_screen3_shows_the_live_lines(size):
         await settle(app, pilot)
         text = screen_text(app)
         for words in (
-            "Live: llama-3.1-8b on sim: h100",
+            "LIVE (measured): llama-3.1-8b on sim: h100",
+            "Live (measured, 1 thread):",
             "KV held",
             "formula",
             "reads ",
             "peak 3.35 TB/s",
-            "FLOPs/byte: decode is memory-bound",
+            "FLOPs/byte, ridge 295:",
+            "memory-bound",
         ):
             assert words in text, f"{words!r} not on screen at {size}"
 
