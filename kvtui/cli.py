@@ -556,6 +556,8 @@ def _add_budget(subparsers: Any) -> None:
     )
     p.add_argument(
         "--block-size",
+        "--kv-block",  # the app's and bench's name for the same thing
+        dest="block_size",
         type=int_in(1, MAX_CONTEXT),
         default=DEFAULT_BLOCK_SIZE,
         metavar="B",
@@ -667,6 +669,8 @@ def _add_run_options(group: Any, *, app: bool) -> None:
     )
     group.add_argument(
         "--kv-block",
+        "--block-size",  # vLLM's name, and `kvtui budget`'s
+        dest="kv_block",
         type=int_in(1, MAX_KV_BLOCK_TOKENS),
         default=DEFAULT_BLOCK_SIZE,
         metavar="TOKENS",
