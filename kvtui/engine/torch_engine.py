@@ -275,6 +275,11 @@ def encode_text(text: str, device: torch.device | str = "cpu") -> Tensor:
 # --- devices, weights and shapes -----------------------------------------------------------------
 
 
+TRIM_EVERY_STEPS = 64
+"""How often the uncached loop hands freed host memory back, in steps: each step's activations
+cover the whole sequence and grow with it, and glibc would keep the largest so far."""
+
+
 def trim_host_memory() -> None:
     """Hand the host memory a finished loop freed back to the system (glibc's `malloc_trim`).
 
@@ -590,6 +595,8 @@ class TorchEngine(ABC):
                     allocated, filled = step.kv_bytes_allocated, step.kv_bytes
                 done += 1
                 yield self._sample(loop, step, text(step.token_id))
+                if loop == "uncached" and done % TRIM_EVERY_STEPS == 0:
+                    trim_host_memory()  # between steps: never inside a timed one
         except KVCacheFull:
             stopped = self.pool.full_message(P, B) if self.pool else "the KV cache is full"
         except torch.OutOfMemoryError:  # reported below, once the traceback no longer pins tensors
