@@ -150,3 +150,16 @@ async def test_n_runs_a_batch_whose_counts_stay_per_sequence_and_whose_pool_hold
         live = app.live.pool()
         assert live.filled_bytes == 4 * 24 * PER_TOKEN and live.filled_tokens == 24
         assert "batch 4 (n):" in words(app) and "per sequence" in words(app)
+
+
+async def test_at_80x24_every_remedy_of_an_overflow_is_readable():
+    from conftest import build
+    from test_screens import settle
+
+    app = build(3)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(app, pilot)
+        await pilot.press("plus", "plus")  # 96,000 tokens x 8: past the H100
+        advice = app.screen.budget().advice
+        assert len(advice) == 4 and not app.screen.budget().fits
+        await wait_for(pilot, lambda: all(remedy in words(app) for remedy in advice))
