@@ -156,3 +156,16 @@ def test_the_pool_is_stated_in_what_the_run_reports():
     assert started.kv_pool_source == "--kv-budget"
     default = open_engine(tiny(tokens=8)).started()
     assert default.kv_capacity_bytes == 256 << 20 and default.kv_pool_source == "the CPU default"
+
+
+def test_on_a_gpu_the_pool_is_vllms_share_of_the_device_measured_after_the_weights(monkeypatch):
+    """No GPU here: torch's free/total reading is stood in for; the rule is what is tested."""
+    from kvtui.engine.torch_engine import open_pool
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 * gib, 80 * gib))
+    pool, source = open_pool(RunSettings(), torch.device("cuda"), 131_072)
+    assert pool.capacity_bytes == 56 * gib  # 0.9 x 80 GiB - the 16 GiB in use
+    assert "0.9 of the GPU's 80 GiB" in source and "16 GiB in use" in source
+    pool, source = open_pool(RunSettings(kv_budget_bytes=1 << 30), torch.device("cuda"), 131_072)
+    assert (pool.capacity_bytes, source) == (1 << 30, "--kv-budget")

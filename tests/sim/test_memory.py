@@ -253,3 +253,54 @@ def test_vram_split_draws_a_whole_bar(model, context, batch):
     assert sum(split.fractions()) == pytest.approx(1.0)
     if b.fits:
         assert (split.kv_bytes, split.free_bytes) == (b.kv_bytes, b.free_bytes)
+
+
+# --- the live engines' KV pool -------------------------------------------------------------------
+
+
+def test_a_pool_is_whole_blocks_of_its_capacity():
+    from kvtui.sim.memory import KVPool
+
+    pool = KVPool(100 * 1024, 16, 3072)  # 48 KiB blocks: two fit in 100 KiB, 4 KiB left over
+    assert (pool.block_bytes, pool.blocks, pool.tokens) == (49_152, 2, 32)
+    assert pool.blocks_for(1) == 1 and pool.blocks_for(16) == 1 and pool.blocks_for(17) == 2
+    assert pool.blocks_for(17, batch=3) == 6
+
+
+@pytest.mark.parametrize(
+    ("capacity_tokens", "block", "prompt", "batch", "expected"),
+    [
+        (32, 16, 1, 1, 32),  # C - P + 1
+        (32, 16, 32, 1, 1),  # the prompt fills the pool: its one token, then full
+        (32, 16, 33, 1, 0),  # the prompt does not fit
+        (64, 16, 10, 2, 23),  # 4 blocks for 2 sequences: 32 slots each
+        (64, 16, 10, 3, 7),  # 4 blocks for 3: one block each (16 slots)
+        (48, 1, 5, 1, 44),
+    ],
+)
+def test_the_cached_loop_stops_where_the_pool_says(capacity_tokens, block, prompt, batch, expected):
+    from kvtui.sim.memory import KVPool
+
+    pool = KVPool(capacity_tokens * 100, block, 100)
+    assert pool.tokens_before_full(prompt, batch) == expected
+
+
+def test_the_gpu_pool_is_vllms_share_less_what_is_in_use():
+    from kvtui.sim.memory import gpu_pool_bytes
+
+    gib = 2**30
+    # 80 GiB device, 16 GiB in use (weights, context): 0.9 x 80 - 16 = 56 GiB
+    assert gpu_pool_bytes(80 * gib, 64 * gib, 0.9) == 56 * gib
+    assert gpu_pool_bytes(80 * gib, 4 * gib, 0.9) == 0  # nothing left of the share
+
+
+def test_the_budget_keys_step_by_powers_of_two_from_the_runs_size():
+    from kvtui.sim.memory import step_budget
+
+    need, block = 300 * 3072, 16 * 3072  # 900 KiB for the run, 48 KiB blocks
+    first = step_budget(256 << 20, need, -1, smallest=block)
+    assert first == 1 << 20  # the smallest power of two that holds the run
+    assert step_budget(first, need, -1, smallest=block) == 512 << 10
+    assert step_budget(64 << 10, need, -1, smallest=block) == 64 << 10  # one block's floor
+    assert step_budget(512 << 10, need, 1, smallest=block) == 1 << 20
+    assert step_budget(1000, 5000, -1, smallest=100) == 512
