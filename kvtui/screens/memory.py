@@ -279,7 +279,7 @@ class MemoryScreen(LessonScreen):
         self.query_one("#whatif-title", Static).update(
             Text.assemble(
                 ("WHAT-IF", "bold"),
-                (" (modelled, the catalog's figures): ", "dim"),
+                (" (modelled, catalog figures): ", "dim"),
                 f"{b.model_label} on {b.gpu_label}{self._gpu_why()}",
             )
         )
@@ -350,7 +350,7 @@ class MemoryScreen(LessonScreen):
             return " (this machine's GPU)"
         if self._followed.startswith("sim:"):
             return " (the sim engine's GPU)"
-        return " (an example: no GPU here)" if self.device_gpu is None else ""
+        return " (an example GPU: none here)" if self.device_gpu is None else ""
 
     def redraw(self) -> None:
         self._follow_the_run()
