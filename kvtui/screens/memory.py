@@ -403,6 +403,9 @@ class MemoryScreen(LessonScreen):
             )
             shown = Bar(parts, total, full=bool(live.full))
             capacity = f"{format_bytes(total)} of device memory"
+            nvml = (self.live.probe or {}).get("total_bytes")
+            if started.device.startswith("cuda") and isinstance(nvml, int) and nvml > 0:
+                capacity += f" (torch; NVML {format_bytes(nvml)})"
         else:  # a CPU: the pool is the budget; the weights sit beside it
             note = f"· weights {format_bytes(started.weights_bytes)} beside it"
             shown = Bar(tuple(kv), pool.capacity_bytes, full=bool(live.full), note=note)

@@ -163,3 +163,21 @@ async def test_at_80x24_every_remedy_of_an_overflow_is_readable():
         advice = app.screen.budget().advice
         assert len(advice) == 4 and not app.screen.budget().fits
         await wait_for(pilot, lambda: all(remedy in words(app) for remedy in advice))
+
+
+async def test_on_a_gpu_the_live_bar_gives_torchs_capacity_and_nvmls():
+    from fakes import sim_events
+
+    from kvtui.engine.protocol import RunStarted
+
+    settings = replace(SIM, lesson=False)
+    events = [
+        replace(e, device="cuda:0 (NVIDIA H100 80GB HBM3)") if isinstance(e, RunStarted) else e
+        for e in sim_events(settings)
+    ]
+    probe = {**PROBE, "name": "NVIDIA H100 80GB HBM3", "total_bytes": 81_559 * 2**20}
+    app = make_app(settings, 3, probe=probe, engine_factory=lambda s: FakeEngine(s, events=events))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app) and "NVML" in words(app))
+        title = app.screen.query_one("#live-bar", VramBar).border_title
+        assert "80 GiB of device memory (torch; NVML 79.6 GiB)" in title
