@@ -289,6 +289,8 @@ class KVApp(App[int]):
         """(Re)start the engine with these settings (the current ones by default)."""
         self._close_engine_soon()
         self._run_id += 1
+        if settings is not None and settings.engine != self.live.settings.engine:
+            self._default_pool = None  # another engine: its own default pool, once it has run
         self.live.reset(settings or self.live.settings)
         self.engine = self._engine_factory(self.live.settings)
         self._read_engine(self.engine, self._run_id)

@@ -147,9 +147,11 @@ class PagedKVCache:
         self.batch, self.block_tokens = batch, block_tokens
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.length = 0
-        element = self.layers[0].k.element_size() if self.layers else 0
-        self.bytes_per_position = n_layer * 2 * n_kv_head * head_dim * element
-        """Keys and values of one position of one sequence, every layer."""
+        slots = n_blocks * block_tokens
+        held = sum(t.numel() * t.element_size() for kv in self.layers for t in (kv.k, kv.v))
+        self.bytes_per_position = held // slots if slots else 0
+        """Keys and values of one position of one sequence, every layer: measured, the storage's
+        bytes over its slots (0 for a pool of no blocks, which never holds a position)."""
         self.block_bytes = block_tokens * self.bytes_per_position
         self.base: int | None = 0
         """The slot of position 0 when there is one sequence and its blocks are consecutive

@@ -429,7 +429,7 @@ class MemoryScreen(LessonScreen):
             words.append(f"Stopped: {safe_text(live.full, one_line=True)}. ", style="bold")
             words.append(
                 f"Measured: {format_int(live.steps)} tokens, predicted "
-                f"{format_int(pool.tokens_before_full(P))}. "
+                f"{format_int(pool.tokens_before_full(P, live.batch))}. "
             )
         else:
             words.append(

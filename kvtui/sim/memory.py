@@ -782,12 +782,15 @@ class KVPool:
 
 def step_budget(current: int, need: int, direction: int, *, smallest: int) -> int:
     """The KV budget one key press from `current` (bytes), for a run that fills `need` bytes:
-    powers of two. Down (-1) from a budget more than twice the run's need, the first press lands
-    on the smallest power of two that holds the run whole (so a presenter is one press from a
-    run that fits exactly and two from one that stops halfway); otherwise it halves. Up (1) is
-    the next power of two. Never below the power of two that holds `smallest` (one block)."""
+        powers of two. Down (-1) from a budget more than twice the run's need, the first press lands
+        on the smallest power of two that holds the run whole (so a presenter is one press from a
+        run that fits exactly and two from one that stops halfway); otherwise it halves. Up (1) is
+        the next power of two. Never below the power of two that holds `smallest` (one block), and a
+    budget already at or below it stays where it is."""
     floor = 1 << max(0, smallest - 1).bit_length()
     if direction < 0:
+        if current <= floor:  # already the smallest (or, from --kv-budget, below it): stay
+            return current
         fits = 1 << max(0, need - 1).bit_length()
         target = fits if current > 2 * need else 1 << max(0, current - 1).bit_length() - 1
         return max(floor, min(target, current))

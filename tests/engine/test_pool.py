@@ -58,8 +58,10 @@ def _prefill_then_decode(model, ids, prefix, **cache):
 def test_paging_changes_not_one_logit_against_the_contiguous_cache(
     small_model, batch, block_tokens
 ):
-    """One block of the whole run is today's contiguous buffer; any block size, read as a view
-    (one sequence) or gathered by slot (a batch), gives the same logits and keys, bit for bit."""
+    """One block of the whole run is the contiguous buffer: for one sequence, any block size
+    (read as a view) gives its logits and keys bit for bit. A batch is gathered by slot either way,
+    so there the test says that the block size changes nothing; the gather against a contiguous
+    view is the next test's."""
     ids = torch.randint(0, 256, (batch, 70), generator=torch.Generator().manual_seed(5))
     whole, whole_kv = _prefill_then_decode(small_model, ids, 9)
     paged, paged_kv = _prefill_then_decode(small_model, ids, 9, block_tokens=block_tokens)

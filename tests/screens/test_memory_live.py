@@ -181,3 +181,19 @@ async def test_on_a_gpu_the_live_bar_gives_torchs_capacity_and_nvmls():
         await wait_for(pilot, lambda: finished(app) and "NVML" in words(app))
         title = app.screen.query_one("#live-bar", VramBar).border_title
         assert "80 GiB of device memory (torch; NVML 79.6 GiB)" in title
+
+
+async def test_a_batch_that_runs_out_is_predicted_for_the_batch_and_tiny_budgets_step_safely():
+    # 16 MiB = 8 blocks of 16 x 128 KiB; 4 sequences take 2 each: 32 slots, 32 tokens
+    app = sim_app(replace(SIM, kv_budget_bytes=16 << 20, batch=4))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app) and "Stopped:" in words(app))
+        assert app.live.loop("cached").steps == 32
+        assert "Measured: 32 tokens, predicted 32" in words(app)
+    app = sim_app(replace(SIM, kv_budget_bytes=1))  # below one block: nothing fits
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        await pilot.press("left_square_bracket")  # stays at 1 byte, no crash
+        assert app.kv_budget == 1 and app.is_running
+        await pilot.press("right_square_bracket")
+        assert app.kv_budget == 2 << 20  # up: at least one block (16 x 128 KiB)

@@ -304,3 +304,7 @@ def test_the_budget_keys_step_by_powers_of_two_from_the_runs_size():
     assert step_budget(64 << 10, need, -1, smallest=block) == 64 << 10  # one block's floor
     assert step_budget(512 << 10, need, 1, smallest=block) == 1 << 20
     assert step_budget(1000, 5000, -1, smallest=100) == 512
+    # a --kv-budget below one block stays put going down (1 << -1 would raise), rises going up
+    assert step_budget(1, need, -1, smallest=block) == 1
+    assert step_budget(0, need, -1, smallest=block) == 0
+    assert step_budget(1, need, 1, smallest=block) == 64 << 10
