@@ -42,7 +42,7 @@ from kvtui.screens.live import LiveRun
 from kvtui.screens.memory import MemoryScreen, gpu_from_probe
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import model_names
-from kvtui.sim.memory import KVPool, step_budget
+from kvtui.sim.memory import step_budget
 
 LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 """The batches screen 3's n steps through (`--batch` takes any up to 256)."""
@@ -322,11 +322,11 @@ class KVApp(App[int]):
         """Screen 3's budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
         engine's default (0); `r` runs it. Budgets are powers of two of bytes (see
         `kvtui.sim.memory.step_budget`)."""
-        started = self.live.started
-        if started is None or started.kv_capacity_bytes is None or not started.kv_block_tokens:
+        live = self.live.pool()
+        if live is None:
             self.notify(
                 "The running engine has no KV pool to budget (hf: keeps transformers' own cache)"
-                if started
+                if self.live.started
                 else "The engine has not started yet",
                 timeout=4,
             )
@@ -335,13 +335,9 @@ class KVApp(App[int]):
             self.kv_budget = None
             self.notify("Next run: the engine's default KV pool (press r)", timeout=3)
             return
-        pool = KVPool(
-            started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
-        )
+        pool = live.pool
         current = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
-        need = (
-            pool.blocks_for(started.prompt_tokens + self.length - 1, self.batch) * pool.block_bytes
-        )
+        need = pool.blocks_for(live.prompt_tokens + self.length - 1, self.batch) * pool.block_bytes
         budget = step_budget(current, need, direction, smallest=pool.block_bytes)
         if self._default_pool is not None:
             budget = min(budget, self._default_pool)

@@ -85,15 +85,17 @@ class SimEngine:
     """The KV pool of one GPU, modelled: `--kv-budget`, or what vLLM's rule leaves
     (kvtui.sim.memory.kv_capacity: memory x utilization - weights - the runtime reserve)."""
     pool_source: str = field(init=False)
+    room_bytes: int = field(init=False)
+    """What vLLM's rule leaves each GPU for a KV cache (negative when the weights take more)."""
 
     def __post_init__(self) -> None:
         self.share = shard(self.model, self.gpus)
         s = self.settings
-        room = self._room(self.gpus)
+        self.room_bytes = self._room(self.gpus)
         if s.kv_budget_bytes is not None:
             capacity, self.pool_source = s.kv_budget_bytes, "--kv-budget"
         else:
-            capacity = max(0, room)
+            capacity = max(0, self.room_bytes)
             self.pool_source = (
                 f"modelled: {s.gpu_memory_utilization:g} x {format_bytes(self.gpu.memory_bytes)}"
                 f" - weights - {format_bytes(RUNTIME_RESERVE_BYTES)} reserve"
@@ -134,7 +136,7 @@ class SimEngine:
         if gpus > 1 and not gpu.interconnect_bytes_per_s:
             raise EngineError(f"the catalog gives no GPU-to-GPU bandwidth for {gpu.display_name}")
         engine = cls(settings, model, gpu, gpus=gpus)
-        room, block = engine._room(gpus), engine.pool.block_bytes
+        room, block = engine.room_bytes, engine.pool.block_bytes
         u = settings.gpu_memory_utilization
         weights = weights_bytes(engine.share, engine.weights_dtype)
         if weights + RUNTIME_RESERVE_BYTES > gpu.memory_bytes:

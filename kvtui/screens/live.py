@@ -62,6 +62,8 @@ class LoopTrace:
     """Wall seconds after each step (one float per step: for the wall-time speedup)."""
     positions_cumulative: list[int] = field(default_factory=list)
     """Positions computed after each step, as the engine counted them (one int per step)."""
+    last_positions: int = 0
+    """Positions the newest step computed, per sequence."""
     step_seconds: Series = field(default_factory=Series)
     positions: Series = field(default_factory=Series)
     last: StepSample | None = None
@@ -77,7 +79,7 @@ class LoopTrace:
         self.token_ids.append(sample.token_id)
         self.seconds_total += sample.step_seconds
         self.seconds_cumulative.append(self.seconds_total)
-        positions = sample.positions_computed // batch
+        positions = self.last_positions = sample.positions_computed // batch
         done = self.positions_cumulative[-1] if self.positions_cumulative else 0
         self.positions_cumulative.append(done + positions)
         self.step_seconds.add(sample.step, sample.step_seconds)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 from rich.markup import escape
@@ -44,7 +45,7 @@ from kvtui.sim.catalog import (
     model_from_hf_config,
     model_names,
 )
-from kvtui.sim.memory import LESSON_BUDGET, Budget, KVPool, budget, kv_bytes, vram_split
+from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.vram import Bar, Part, VramBar, whatif_bar
@@ -447,7 +448,7 @@ class MemoryScreen(LessonScreen):
         budget = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
         B = self.batch_next
         if budget != pool.capacity_bytes or live.batch != B or self.length != live.run_tokens:
-            nxt = KVPool(budget, pool.block_tokens, pool.kv_bytes_per_token)
+            nxt = replace(pool, capacity_bytes=budget)
             room = nxt.tokens_before_full(P, B)
             after = (
                 f"it stops after {format_int(room)} tokens"

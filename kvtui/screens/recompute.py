@@ -82,7 +82,7 @@ class RecomputeScreen(WorkScreen):
             per_step.note = total.note = wasted.note = "measured"
         else:
             done = trace.positions_cumulative[-1]  # per sequence, as the staircase
-            newest = last.positions_computed // self.live.batch
+            newest = trace.last_positions
             redone = done - newest  # every position but the newest, again
             per_step.value = format_ratio(newest)
             per_step.note = f"step {trace.steps:,}"
