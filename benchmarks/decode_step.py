@@ -36,8 +36,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.decoder import MATVEC_KERNELS, Linear, Transformer, row_sum  # noqa: E402
-from kvtui.engine.torch_engine import load_tiny  # noqa: E402
+from kvtui.gpu.kernels import MATVEC_KERNELS, Linear, row_sum  # noqa: E402
+from kvtui.gpu.load import load_tiny  # noqa: E402
+from kvtui.gpu.model import Transformer  # noqa: E402
 
 
 def time_per_step(run, steps: int) -> float:

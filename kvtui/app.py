@@ -272,7 +272,7 @@ class KVApp(App[int]):
 
     @work(thread=True, exclusive=True, group="probe", exit_on_error=False)
     def _probe_device(self) -> None:
-        from kvtui.probe import probe_summary
+        from kvtui.gpu.probe import probe_summary
 
         self.post_message(self.DeviceProbed(probe_summary()))
 

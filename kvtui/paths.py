@@ -21,3 +21,9 @@ def assets_dir() -> Path:
 def asset_path(name: str) -> Path:
     """The path of one shipped file, by name."""
     return assets_dir() / name
+
+
+TINY_NAME = "tiny-austen"
+"""The shipped model's name: the default engine `tiny` runs it, and the catalog lists its shape."""
+TINY_WEIGHTS = f"{TINY_NAME}.safetensors"
+"""The shipped model's file in assets/ (kvtui.gpu.load reads it)."""

@@ -19,8 +19,9 @@ import re
 
 import torch
 
+from kvtui.engine.loops import Sampling, encode_text, generate
 from kvtui.engine.protocol import DEFAULT_PROMPT
-from kvtui.engine.torch_engine import Sampling, encode_text, generate, load_tiny
+from kvtui.gpu.load import load_tiny
 from kvtui.text import decode_bytes
 from kvtui.training.corpus import austen_novels, train_val_split
 

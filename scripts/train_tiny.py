@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from kvtui.decoder import ModelArgs
+from kvtui.gpu.model import ModelArgs
 from kvtui.paths import assets_dir
 from kvtui.training.corpus import DEBIAN_DATA_DIR, austen_novels, train_val_split
 from kvtui.training.train import (

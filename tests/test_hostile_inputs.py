@@ -332,11 +332,10 @@ def test_too_many_tokens_for_the_tiny_model_is_refused_before_it_loads(capsys, m
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    from kvtui.decoder import ModelArgs
     from kvtui.engine import spec
+    from kvtui.gpu.model import ModelArgs
 
-    # The torch-free check reads the file the engine loads, with the engine's default.
-    assert spec.TINY_WEIGHTS == kvtui.engine.torch_engine.TINY_WEIGHTS
+    # The torch-free check falls back on the engine's default where the file is missing.
     assert ModelArgs().max_positions == spec.TINY_POSITIONS
     monkeypatch.setattr(kvtui.engine.torch_engine, "open_torch_engine", load)
     err = refused(capsys, "bench", "--tokens", "5000")

@@ -35,10 +35,10 @@ LAYERS = {
         {"torch", "textual", "pynvml"},
     ),
     "the torch engines, the decoder and training": (
-        "import kvtui.engine.torch_engine, kvtui.engine.hf, kvtui.decoder, kvtui.training.train",
+        "import kvtui.engine.torch_engine, kvtui.engine.hf, kvtui.gpu.model, kvtui.training.train",
         {"textual", "transformers"},
     ),
-    "the device probe": ("import kvtui.probe", {"torch", "textual", "pynvml"}),
+    "the device probe": ("import kvtui.gpu.probe", {"torch", "textual", "pynvml"}),
     "the app, its screens and widgets": (
         "import kvtui.app, kvtui.screens.help, kvtui.screens.quiz, kvtui.widgets.vram",
         {"torch"},

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvtui import probe as probe_module
-from kvtui.probe import (
+from kvtui.gpu import probe as probe_module
+from kvtui.gpu.probe import (
     DeviceMemory,
     NullProbe,
     NvmlProbe,
@@ -146,7 +146,7 @@ def test_missing_nvidia_ml_py_is_a_null_probe(monkeypatch: pytest.MonkeyPatch) -
 
 def test_import_loads_neither_torch_nor_pynvml_and_prints_nothing() -> None:
     code = (
-        "import sys, kvtui.probe\n"
+        "import sys, kvtui.gpu.probe\n"
         "print(sorted(m for m in ('torch', 'pynvml', 'textual') if m in sys.modules))\n"
     )
     result = subprocess.run(
@@ -159,7 +159,7 @@ def test_import_loads_neither_torch_nor_pynvml_and_prints_nothing() -> None:
 def test_torch_memory_does_not_import_torch_unless_asked() -> None:
     code = (
         "import sys\n"
-        "from kvtui.probe import torch_memory\n"
+        "from kvtui.gpu.probe import torch_memory\n"
         "print(torch_memory().why, 'torch' in sys.modules)\n"
     )
     result = subprocess.run(

@@ -34,14 +34,10 @@ from torch import Tensor
 
 from kvtui.engine.protocol import EngineError, RunSettings
 from kvtui.engine.spec import check_model_files, check_positions, read_model_config
-from kvtui.engine.torch_engine import (
-    TorchEngine,
-    available_bytes,
-    default_dtype,
-    dtype_name,
-    pick_device,
-)
+from kvtui.engine.torch_engine import TorchEngine
 from kvtui.format import format_bytes
+from kvtui.gpu.counting import PositionCounter, count_flops
+from kvtui.gpu.device import available_bytes, default_dtype, dtype_name, pick_device
 from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config
 from kvtui.sim.memory import kv_bytes
 
@@ -290,6 +286,26 @@ class HFCache:
     def kv_bytes_allocated(self) -> int:
         return cache_bytes(self.cache)
 
+    def replay_flops(self, call: Callable[[], Tensor], start: int) -> int | None:
+        """A step again, each layer's own count of its length (transformers 5's
+        `cumulative_length`) set back to `start` for it and put back after; None where a layer
+        keeps a sliding window's ring, which a second write would roll on."""
+        layers = list(getattr(self.cache, "layers", ()))
+        if any("Sliding" in type(layer).__name__ for layer in layers):
+            return None
+        lengths = [
+            (layer.cumulative_length, layer.cumulative_length.clone())
+            for layer in layers
+            if isinstance(getattr(layer, "cumulative_length", None), Tensor)
+        ]
+        for length, _ in lengths:
+            length.fill_(start)
+        try:
+            return count_flops(call)
+        finally:
+            for length, before in lengths:
+                length.copy_(before)
+
 
 class TextStream:
     """Token ids in, text out: decodes the growing sequence and emits what it adds, holding back
@@ -342,6 +358,7 @@ class HFEngine(TorchEngine):
         self.trained_positions = spec.max_context
         self.fwd = ForwardArgs.of(model)
         self._cache: Any = None
+        self.counter = PositionCounter(model)
 
     def prompt_ids(self) -> Tensor:
         return torch.tensor([self.prompt], dtype=torch.long, device=self.device)

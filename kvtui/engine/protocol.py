@@ -190,13 +190,16 @@ class StepSample:
     text: str
     """The text row 0's token completes (UTF-8 safe: may be empty mid-character)."""
     positions_computed: int
-    """Positions whose keys and values this step computed, every sequence's: per sequence, with
-    a cache, prompt_tokens on the first step (the prefill) and 1 after; without, every position
-    so far (position itself); times the batch."""
+    """Positions whose keys and values this step computed, every sequence's. The torch engines
+    observe it (the rows of keys the model's layers produced in the step), so it can disagree
+    with the counting rule: with a cache, prompt_tokens on the first step (the prefill) and 1
+    after; without, every position so far (position itself); times the batch. The `sim:` engine
+    models it by that rule."""
     flops: int
-    """FLOPs of the step, every sequence's."""
+    """FLOPs of the step by the formula (kvtui.sim.work.step_cost), every sequence's."""
     bytes_read: int
-    """Bytes the step reads: the weights once, and every sequence's keys and values."""
+    """Bytes the step reads by the formula: the weights once, and every sequence's keys and
+    values."""
     step_seconds: float
     """Wall time of the step, measured after synchronising the device."""
     kv_bytes: int
@@ -206,6 +209,11 @@ class StepSample:
     kv_bytes_allocated: int = 0
     """KV-cache bytes allocated after the step, every sequence's: the blocks taken from the pool,
     each whole (the last one's unused slots too), or the buffers of an engine's own cache."""
+    flops_counted: int | None = None
+    """FLOPs torch's FlopCounterMode counted over the step's model call, every sequence's, on
+    the steps the torch engines sample (kvtui.engine.loops.counts_flops); None elsewhere and for
+    `sim:`. Beside `flops`, the formula's, it is the check that the model computed what the
+    lesson says."""
     kind: str = field(default="step", init=False)
 
 

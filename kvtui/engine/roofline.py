@@ -49,13 +49,7 @@ from kvtui.sim.memory import (
     tensor_parallel_sizes,
     weights_bytes,
 )
-from kvtui.sim.work import (
-    decode_step_bytes,
-    decode_step_flops,
-    tensor_parallel_step_seconds,
-    uncached_step_bytes,
-    uncached_step_flops,
-)
+from kvtui.sim.work import step_cost, tensor_parallel_step_seconds
 from kvtui.text import Utf8Stream, encode_bytes
 
 MODELLED = "modelled (roofline)"
@@ -235,20 +229,12 @@ class SimEngine:
                     kv_bytes_filled=held,
                 )
                 return
+            cost = step_cost(m, loop == "cached", i, P, B, wd, kd)
             if loop == "cached":
-                computed = P if i == 0 else 1  # per sequence
-                if i == 0:
-                    flops = uncached_step_flops(m, P, B)
-                    read = uncached_step_bytes(m, P, wd, kd, B)
-                else:
-                    flops = decode_step_flops(m, context, B)
-                    read = decode_step_bytes(m, context, wd, kd, B)
                 held = kv_bytes(m, context, B, kd)
                 allocated = pool.blocks_for(context, B) * pool.block_bytes
-            else:
-                computed = P + i
-                flops = uncached_step_flops(m, computed, B)
-                read = uncached_step_bytes(m, computed, wd, kd, B)
+            computed = cost.positions // B  # per sequence
+            flops, read = cost.flops, cost.bytes_read
             seconds = tensor_parallel_step_seconds(
                 self.model, flops, read, computed, self.gpus, self.gpu, B
             )
@@ -261,7 +247,7 @@ class SimEngine:
                 position=P + i,
                 token_id=token,
                 text=text.push(token),
-                positions_computed=B * computed,
+                positions_computed=cost.positions,
                 flops=flops,
                 bytes_read=read,
                 step_seconds=seconds,

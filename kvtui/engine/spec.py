@@ -25,6 +25,7 @@ from kvtui.engine.protocol import (
     RunSettings,
     StepSource,
 )
+from kvtui.paths import TINY_NAME
 
 EngineKind = Literal["tiny", "shape", "sim", "replay", "hf"]
 
@@ -143,10 +144,8 @@ def check_engine(settings: RunSettings) -> None:
 
 # --- cheap checks, without torch -----------------------------------------------------------------
 
-TINY_WEIGHTS = "tiny-austen.safetensors"
-"""The shipped model's file in assets/ (as kvtui.engine.torch_engine loads it)."""
 TINY_POSITIONS = 4096
-"""The tiny model's positions when its file is missing (kvtui.decoder.ModelArgs' default)."""
+"""The tiny model's positions when its file is missing (kvtui.gpu.model.ModelArgs' default)."""
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
 
 
@@ -179,7 +178,7 @@ def tiny_positions() -> int:
     """The shipped model's positions, from the config in its safetensors metadata (read without
     torch: the header only)."""
     from kvtui.inputs import InputError, parse_json, safetensors_header
-    from kvtui.paths import asset_path
+    from kvtui.paths import TINY_WEIGHTS, asset_path
 
     path = asset_path(TINY_WEIGHTS)
     if not path.exists():
@@ -199,7 +198,7 @@ def model_positions(spec: EngineSpec) -> tuple[str, int] | None:
     """The model's name and the most positions it runs, where that is cheap to know (tiny,
     shape, sim); None otherwise (replay runs what was recorded; hf needs its tokenizer)."""
     if spec.kind == "tiny":
-        return "tiny-austen", tiny_positions()
+        return TINY_NAME, tiny_positions()
     if spec.kind in ("shape", "sim"):
         from kvtui.sim.catalog import UnknownNameError, get_model
 

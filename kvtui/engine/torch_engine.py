@@ -1,45 +1,35 @@
-"""The torch engines: decoding with and without a KV cache, step by step and timed. No UI.
+"""The torch engines behind the engine protocol, without a UI: `tiny` (the shipped model in
+assets/), `shape:NAME` (a catalog model's exact shape with random weights) and `hf:DIR`
+(kvtui.engine.hf), all running kvtui.engine.loops.
 
-The loops, in the manner of gpt-fast's `generate.py`, generic over models (the `hf:` engine runs
-them through transformers' forward):
-
-- `cached_loop`: prefill (the prompt's P positions in one pass, filling the cache), then one new
-  position per step against the cache;
-- `recompute_loop`: no cache; the step that emits token t runs all P + t - 1 positions so far
-  (the lesson's staircase, counted as kvtui.engine.protocol defines it).
-
-Both take a batch of prompts `(B, P)` and decode the B rows together, one model call per step.
-Both sample with their own `Sampler`, row r seeded `seed + r`, one draw per row per step, so with
-the same prompt, seed and settings they emit the same tokens, row by row. Every step is timed after
-synchronising the device.
-
-`TorchEngine` wraps the loops in the engine protocol, once for every torch engine: `tiny` (the
-shipped model in assets/), `shape:NAME` (a catalog model's exact shape with random weights), and
-`hf:DIR` (kvtui.engine.hf). Each step becomes a `StepSample` with the FLOPs and bytes kvtui.sim
-counts for it (the whole batch's), the measured wall time, the KV bytes held and, on a GPU, the
-device memory in use. kvtui's own decoder runs a batch (`--batch`) with its cache's blocks taken
-from one pool, which stops the batch where kvtui.sim.memory.KVPool says.
-Out of memory on a GPU ends the loop with "out of memory at N tokens", frees the cache, and the
-process goes on.
+Each step becomes a `StepSample` of what was measured (the positions the model computed, observed
+by a `PositionCounter`; on sampled steps the FLOPs torch counted; the wall time after device sync;
+the KV bytes held, from the cache's tensors; on a GPU the device memory in use) beside what the
+formula prices it at (kvtui.sim.work.step_cost: its FLOPs and bytes read), so that the two can
+disagree. kvtui's own decoder runs a batch (`--batch`) with its cache's blocks taken from one
+pool, which stops the batch where kvtui.sim.memory.KVPool says. Out of memory on a GPU ends the
+loop with "out of memory at N tokens", frees the cache, and the process goes on.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import json
-import os
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
-from safetensors import safe_open
 from torch import Tensor
 
-from kvtui.decoder import KVCacheFull, ModelArgs, Transformer
+from kvtui.engine.loops import (
+    TRIM_EVERY_STEPS,
+    CachedModel,
+    DecoderCache,
+    Sampling,
+    Step,
+    cached_loop,
+    recompute_all,
+    recompute_loop,
+    trim_host_memory,
+)
 from kvtui.engine.protocol import (
     EngineError,
     Loop,
@@ -49,421 +39,16 @@ from kvtui.engine.protocol import (
     StepSample,
 )
 from kvtui.format import format_bytes
-from kvtui.paths import asset_path
-from kvtui.probe import open_probe
-from kvtui.sim.catalog import (
-    ModelSpec,
-    UnknownNameError,
-    get_model,
-    match_gpu,
-    normalize_dtype,
-)
-from kvtui.sim.memory import (
-    CPU_KV_BUDGET_BYTES,
-    DEFAULT_BLOCK_SIZE,
-    KVPool,
-    gpu_pool_bytes,
-    kv_bytes,
-    kv_bytes_per_token,
-)
-from kvtui.sim.work import (
-    decode_step_bytes,
-    decode_step_flops,
-    uncached_step_bytes,
-    uncached_step_flops,
-)
+from kvtui.gpu.cache import KVCacheFull
+from kvtui.gpu.counting import PositionCounter
+from kvtui.gpu.device import default_dtype, describe_device, device_ridge, dtype_name, pick_device
+from kvtui.gpu.load import build_shape, load_tiny, parameter_bytes, spec_from_args, trained_context
+from kvtui.gpu.model import Transformer
+from kvtui.paths import TINY_NAME
+from kvtui.sim.catalog import ModelSpec, UnknownNameError, get_model
+from kvtui.sim.memory import CPU_KV_BUDGET_BYTES, KVPool, gpu_pool_bytes, kv_bytes_per_token
+from kvtui.sim.work import step_cost
 from kvtui.text import Utf8Stream, encode_bytes
-
-TINY_WEIGHTS = "tiny-austen.safetensors"
-TINY_ARGS = ModelArgs(n_layer=6, n_head=8, n_kv_head=2, dim=256, intermediate_size=512)
-"""The tiny model's shape, used for seeded random weights when the shipped file is missing."""
-
-
-# --- the loops -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is chosen from the logits."""
-
-    temperature: float = 0.8
-    top_k: int = 40
-    seed: int = 0
-    greedy: bool = False
-
-
-@dataclass(frozen=True)
-class Step:
-    """One measured decode step of a batch of sequences (one sequence: a batch of 1)."""
-
-    index: int
-    """0-based index of the generated token."""
-    position: int
-    """Position of the generated tokens in their sequences."""
-    token_ids: tuple[int, ...]
-    """Each row's token."""
-    positions_computed: int
-    """Positions whose keys and values this step computed, every row's."""
-    step_seconds: float
-    kv_bytes: int
-    """KV-cache bytes filled after this step, every row's (0 without a cache)."""
-    kv_bytes_allocated: int = 0
-    """KV-cache bytes allocated after this step: whole blocks, or the buffers a cache holds."""
-
-    @property
-    def token_id(self) -> int:
-        """Row 0's token."""
-        return self.token_ids[0]
-
-
-class Sampler:
-    """Greedy or seeded top-k sampling of `batch` rows: row r draws from its own generator,
-    seeded `seed + r`, one draw per row per step whatever the logits."""
-
-    def __init__(self, sampling: Sampling, device: torch.device, batch: int = 1) -> None:
-        self.sampling = sampling
-        self.generators = [
-            torch.Generator(device=device).manual_seed(sampling.seed + row) for row in range(batch)
-        ]
-
-    def __call__(self, logits: Tensor) -> Tensor:
-        """The next tokens `(B, 1)` from the last position's logits `(B, vocab)`."""
-        s = self.sampling
-        if s.greedy or s.temperature <= 0:
-            return logits.argmax(dim=-1, keepdim=True)
-        logits = logits.float() / s.temperature
-        if 0 < s.top_k < logits.size(-1):
-            kth = torch.topk(logits, s.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if len(self.generators) == 1:
-            return torch.multinomial(probs, 1, generator=self.generators[0])
-        return torch.cat(  # each row from its own stream: row r's tokens do not depend on B
-            [
-                torch.multinomial(probs[row : row + 1], 1, generator=generator)
-                for row, generator in enumerate(self.generators)
-            ]
-        )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class CachedModel(Protocol):
-    """What the cached loop needs of a model whose KV cache is already set up."""
-
-    def prefill(self, prompt: Tensor) -> Tensor:
-        """Run the prompts `(B, P)` into the cache; the last position's logits `(B, vocab)`."""
-        ...
-
-    def decode_one_token(self, token: Tensor, position: int) -> Tensor:
-        """Feed one token per row `(B, 1)` at `position`, computing only their keys and values;
-        their logits `(B, vocab)`."""
-        ...
-
-    def kv_bytes_filled(self, positions: int) -> int:
-        """Bytes of keys and values the cache holds for the first `positions` positions of
-        every row."""
-        ...
-
-    def kv_bytes_allocated(self) -> int:
-        """Bytes of the cache's storage taken so far, measured from its tensors."""
-        ...
-
-
-def cached_loop(
-    model: CachedModel, prompt: Tensor, n_tokens: int, sampling: Sampling
-) -> Iterator[Step]:
-    """Prefill (P positions of each of the B rows of `prompt` `(B, P)`), then one new position
-    per row per step: P + n - 1 positions in all, per row."""
-    device = prompt.device
-    B, P = prompt.shape
-    sample = Sampler(sampling, device, B)
-    token = None
-    for i in range(n_tokens):
-        synchronize(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            if i == 0:
-                logits, computed = model.prefill(prompt), P
-            else:
-                logits, computed = model.decode_one_token(token, P + i - 1), 1
-            token = sample(logits)  # (B, 1)
-        token_ids = tuple(token[:, 0].tolist())  # .tolist() synchronises too
-        synchronize(device)
-        seconds = time.perf_counter() - t0
-        filled, allocated = model.kv_bytes_filled(P + i), model.kv_bytes_allocated()
-        yield Step(i, P + i, token_ids, B * computed, seconds, filled, allocated)
-
-
-def recompute_loop(
-    recompute: Callable[[Tensor], Tensor], prompt: Tensor, n_tokens: int, sampling: Sampling
-) -> Iterator[Step]:
-    """The uncached loop around any model: `recompute(ids)` gives the last position's logits
-    `(B, vocab)` of the whole sequences `ids` `(B, T)`, computed from scratch. The step that
-    emits token t (1-based) recomputes all P + t - 1 positions so far of each row of `prompt`
-    `(B, P)`."""
-    device = prompt.device
-    B, P = prompt.shape
-    ids = torch.empty((B, P + n_tokens), dtype=torch.long, device=device)
-    ids[:, :P] = prompt
-    sample = Sampler(sampling, device, B)
-    for i in range(n_tokens):
-        synchronize(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            token = sample(recompute(ids[:, : P + i]))  # (B, 1)
-        ids[:, P + i] = token[:, 0]
-        token_ids = tuple(token[:, 0].tolist())
-        synchronize(device)
-        seconds = time.perf_counter() - t0
-        yield Step(i, P + i, token_ids, B * (P + i), seconds, 0)
-
-
-@dataclass
-class DecoderCache:
-    """kvtui's own decoder as a `CachedModel`, its paged KV cache set up (`setup_caches`)."""
-
-    model: Transformer
-
-    def prefill(self, prompt: Tensor) -> Tensor:
-        return self.model(prompt, start=0, use_cache=True)[:, -1]
-
-    def decode_one_token(self, token: Tensor, position: int) -> Tensor:
-        return self.model.decode(token, position)
-
-    def kv_bytes_filled(self, positions: int) -> int:
-        return self.model.kv.filled_bytes
-
-    def kv_bytes_allocated(self) -> int:
-        return self.model.kv.allocated_bytes
-
-
-def recompute_all(model: Transformer, ids: Tensor) -> Tensor:
-    """Run the whole sequences `(B, T)` with no cache: keys and values for all T positions of
-    every row again."""
-    return model(ids, start=0, use_cache=False)[:, -1]
-
-
-def generate(
-    model: Transformer, prompt: Tensor, n_tokens: int, sampling: Sampling, *, cache: bool
-) -> Iterator[Step]:
-    """kvtui's decoder through the cached loop (its caches set up for the run and dropped after)
-    or the uncached one, on prompts `(B, P)`: for scripts, benchmarks and tests that want steps
-    without an engine."""
-    if not cache:
-        yield from recompute_loop(lambda ids: recompute_all(model, ids), prompt, n_tokens, sampling)
-        return
-    model.setup_caches(  # in the engine's blocks, from a pool that holds the run
-        batch=prompt.shape[0],
-        max_len=prompt.shape[1] + n_tokens,
-        block_tokens=DEFAULT_BLOCK_SIZE,
-    )
-    try:
-        yield from cached_loop(DecoderCache(model), prompt, n_tokens, sampling)
-    finally:
-        model.drop_caches()
-
-
-def encode_text(text: str, device: torch.device | str = "cpu") -> Tensor:
-    """The byte-level tokens of `text`, `(1, n_bytes)`."""
-    return torch.tensor([encode_bytes(text)], dtype=torch.long, device=device)
-
-
-# --- devices, weights and shapes -----------------------------------------------------------------
-
-
-TRIM_EVERY_STEPS = 64
-"""How often the uncached loop hands freed host memory back, in steps: each step's activations
-cover the whole sequence and grow with it, and glibc would keep the largest so far."""
-
-
-def trim_host_memory() -> None:
-    """Hand the host memory a finished loop freed back to the system (glibc's `malloc_trim`).
-
-    glibc keeps much of what the uncached loop's long steps freed (the whole sequence's
-    activations: +70 MiB of RSS after 4,000 positions of the tiny model, of which all but 5 MiB
-    is free), so an engine's RSS would climb run after run without it. Elsewhere than glibc, a
-    no-op."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's `malloc_trim` from the running process's own symbols; None without glibc."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def pick_device(name: str) -> torch.device:
-    """`auto` is CUDA when present, else the CPU; `cuda` without a GPU is an `EngineError`."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cpu":
-        return torch.device("cpu")
-    if name.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise EngineError("--device cuda: no CUDA device is available (torch sees none)")
-        return torch.device(name)
-    raise EngineError(f"unknown device {name!r}: use auto, cpu or cuda")
-
-
-def describe_device(device: torch.device) -> tuple[str, int | None, float | None]:
-    """Where a run happens, in words; the device's memory; its peak bandwidth (NVML) if known."""
-    if device.type != "cuda":
-        return "cpu", None, None
-    index = device.index or 0
-    total = torch.cuda.get_device_properties(device).total_memory
-    with open_probe(index) as probe:  # NVML: peak bandwidth from memory clock x bus width
-        peak = probe.read().peak_bandwidth_bytes_per_s
-    return f"cuda:{index} ({torch.cuda.get_device_name(device)})", total, peak
-
-
-def device_ridge(device: torch.device, memory_bytes: int | None) -> tuple[float | None, str]:
-    """The device's roofline ridge point (peak bf16 FLOP/s over peak bytes/s) and where it came
-    from: a CUDA device's from the catalog GPU it matches (kvtui.sim.catalog.match_gpu); None,
-    saying why, on a CPU (the catalog has no CPUs) or a GPU the catalog does not hold."""
-    if device.type != "cuda":
-        return None, "none: the catalog has no peak FLOP/s for a CPU"
-    name = torch.cuda.get_device_name(device)
-    gpu = match_gpu(name, memory_bytes)
-    if gpu is None:
-        return None, f"none: {name} is not in the GPU catalog"
-    return gpu.ridge_flops_per_byte, f"the catalog's {gpu.display_name}"
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a GPU, fp32 on the CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """kvtui.sim's name of a torch dtype: torch.bfloat16 -> "bf16"."""
-    return normalize_dtype(str(dtype))
-
-
-def spec_from_args(name: str, args: ModelArgs) -> ModelSpec:
-    """The kvtui.sim view of a torch model's shape, so its formulas apply to it unchanged."""
-    return ModelSpec(
-        name=name,
-        layers=args.n_layer,
-        heads=args.n_head,
-        kv_heads=args.n_kv_head,
-        head_dim=args.head_dim,
-        hidden_size=args.dim,
-        intermediate_size=args.intermediate_size,
-        vocab_size=args.vocab_size,
-        params=args.params,
-        max_context=args.max_positions,
-        default_dtype="fp32",
-    )
-
-
-def load_tiny(device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[Transformer, dict]:
-    """The shipped model from assets/ (never through pickle), or, when the file is missing, the
-    same architecture with seeded random weights, ready to decode on `device`. Returns the model
-    and its metadata."""
-    path = asset_path(TINY_WEIGHTS)
-    if not path.exists():
-        model = Transformer(TINY_ARGS, dtype=dtype, device=device)
-        model.init_weights(seed)
-        return ready_to_decode(model), {"name": "tiny-random", "weights": "random"}
-    with safe_open(path, framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-        args = ModelArgs.from_json(json.loads(metadata["config"]))
-        model = Transformer(args, dtype=dtype, device=device)
-        model.load_state_dict({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
-    return ready_to_decode(model), metadata
-
-
-def trained_context(metadata: dict) -> int | None:
-    """The longest window the shipped weights were trained on, from their metadata: the
-    `context_trained` of a long-context stage, else the training config's `context`."""
-    if "context_trained" in metadata:
-        return int(metadata["context_trained"])
-    try:
-        return int(json.loads(metadata.get("train", "{}"))["context"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def ready_to_decode(model: Transformer) -> Transformer:
-    """In eval mode and, on a CPU, with its weights laid out for matrix-vector products and each
-    layer's one-vector kernel chosen by timing them on this machine (`choose_matvec`)."""
-    if model.output.weight.device.type == "cpu":
-        model.store_weights_transposed()
-    return model.eval()
-
-
-def args_for_shape(spec: ModelSpec) -> ModelArgs:
-    """Our decoder with a catalog model's exact attention and MLP shape."""
-    if spec.is_mla or spec.active_params is not None:
-        raise EngineError(
-            f"shape:{spec.name} is not supported: its attention (MLA) or experts (MoE) are not "
-            f"a dense grouped-query decoder; use sim:{spec.name}@GPU instead"
-        )
-    return ModelArgs(
-        n_layer=spec.layers,
-        n_head=spec.heads,
-        n_kv_head=spec.kv_heads,
-        dim=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        vocab_size=spec.vocab_size,
-        max_positions=min(spec.max_context, 131072),
-        head_dim_override=spec.head_dim if spec.head_dim * spec.heads != spec.hidden_size else None,
-    )
-
-
-def _largest_weight(args: ModelArgs) -> int:
-    """Elements of the model's largest linear weight."""
-    q_dim, kv_dim = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
-    return args.dim * max(q_dim + 2 * kv_dim, q_dim, 2 * args.intermediate_size, args.vocab_size)
-
-
-def available_bytes(device: torch.device) -> tuple[int, str]:
-    """Free memory where the model would live, and what that memory is, in words;
-    `EngineError` when it cannot be read (a budget is not checked against a guess)."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free, f"free memory on {torch.cuda.get_device_name(device)}"
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM"
-    except (ValueError, OSError) as exc:
-        raise EngineError(f"cannot read this machine's free memory: {exc}") from None
-
-
-def build_shape(
-    spec: ModelSpec,
-    device: torch.device,
-    dtype: torch.dtype,
-    context: int,
-    seed: int,
-    batch: int = 1,
-) -> Transformer:
-    """Random weights in a catalog model's shape; `EngineError`, before allocating, if too big
-    (the weights and the KV cache of `batch` sequences of `context` tokens)."""
-    args = args_for_shape(spec)
-    element = torch.empty((), dtype=dtype).element_size()
-    need = args.params * element + kv_bytes(spec, context, batch, dtype_name(dtype))
-    what = f"weights + KV cache for {context:,} tokens" + (f" x {batch}" if batch > 1 else "")
-    if device.type == "cpu":  # `ready_to_decode` copies one weight at a time into a new layout
-        need += _largest_weight(args) * element
-        what += " + a copy of the largest weight"
-    have, where = available_bytes(device)
-    if need > have:
-        raise EngineError(
-            f"shape:{spec.name} needs {format_bytes(need)} ({what}) but only "
-            f"{format_bytes(have)} of {where} is available"
-        )
-    model = Transformer(args, dtype=dtype, device=device)
-    model.init_weights(seed)
-    return ready_to_decode(model)
 
 
 def open_pool(
@@ -515,6 +100,8 @@ class TorchEngine(ABC):
     its own (`hf:`: transformers' StaticCache, sized for the run)."""
     pool_source: str = ""
     """Where the pool's capacity came from, in words."""
+    counter: PositionCounter
+    """The positions the model has computed, observed as it runs."""
 
     @abstractmethod
     def prompt_ids(self) -> Tensor:
@@ -587,9 +174,10 @@ class TorchEngine(ABC):
         run: Iterator[Step] | None = None
         try:
             if loop == "cached":
-                run = cached_loop(self.cached(P + s.tokens, B), prompt, s.tokens, sampling)
+                model = self.cached(P + s.tokens, B)
+                run = cached_loop(model, prompt, s.tokens, sampling, self.counter)
             else:
-                run = recompute_loop(self.recompute, prompt, s.tokens, sampling)
+                run = recompute_loop(self.recompute, prompt, s.tokens, sampling, self.counter)
             for step in run:
                 if loop == "cached":
                     allocated, filled = step.kv_bytes_allocated, step.kv_bytes
@@ -614,15 +202,12 @@ class TorchEngine(ABC):
         )
 
     def _sample(self, loop: Loop, step: Step, text: str) -> StepSample:
-        """A measured step as the protocol's sample, with the FLOPs and bytes kvtui.sim counts
-        for the whole batch."""
-        dtype, B = self.dtype_name, self.settings.batch
-        if loop == "cached" and step.index > 0:  # one new position per row against the cache
-            flops = decode_step_flops(self.spec, step.position, B)
-            read = decode_step_bytes(self.spec, step.position, dtype, dtype, B)
-        else:  # an uncached step, or the cached loop's prefill: each row's `position` positions
-            flops = uncached_step_flops(self.spec, step.position, B)
-            read = uncached_step_bytes(self.spec, step.position, dtype, dtype, B)
+        """A measured step as the protocol's sample, beside the formula's FLOPs and bytes for the
+        whole batch (kvtui.sim.work.step_cost)."""
+        dtype, P = self.dtype_name, self.prompt_ids().shape[1]
+        cost = step_cost(
+            self.spec, loop == "cached", step.index, P, self.settings.batch, dtype, dtype
+        )
         on_gpu = self.device.type == "cuda"
         return StepSample(
             loop=loop,
@@ -631,16 +216,18 @@ class TorchEngine(ABC):
             token_id=step.token_id,
             text=text,
             positions_computed=step.positions_computed,
-            flops=flops,
-            bytes_read=read,
+            flops=cost.flops,
+            bytes_read=cost.bytes_read,
             step_seconds=step.step_seconds,
             kv_bytes=step.kv_bytes,
             kv_bytes_allocated=step.kv_bytes_allocated,
             device_memory_bytes=torch.cuda.memory_allocated(self.device) if on_gpu else None,
+            flops_counted=step.flops_counted,
         )
 
     def close(self) -> None:
         self.free_cache()
+        self.counter.close()
 
 
 class DecoderEngine(TorchEngine):
@@ -662,6 +249,7 @@ class DecoderEngine(TorchEngine):
         self.device, self.label, self.byte_level = device, label, byte_level
         self.max_positions = model.args.max_positions
         self.trained_positions = trained_positions
+        self.counter = PositionCounter(model)
         self.pool, self.pool_source = open_pool(
             settings, device, kv_bytes_per_token(spec, self.dtype_name)
         )
@@ -707,7 +295,7 @@ def open_torch_engine(settings: RunSettings, model_name: str | None) -> DecoderE
     dtype = default_dtype(device)
     if model_name is None:
         model, meta = load_tiny(device, dtype, settings.seed)
-        label = meta.get("name", "tiny-austen")
+        label = meta.get("name", TINY_NAME)
         spec = spec_from_args(label, model.args)
         trained = trained_context(meta)
         return DecoderEngine(

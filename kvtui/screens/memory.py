@@ -30,6 +30,7 @@ from kvtui.format import (
     format_tick,
     safe_text,
 )
+from kvtui.paths import TINY_NAME
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LivePool, LiveRun
 from kvtui.sim.catalog import (
@@ -333,7 +334,7 @@ class MemoryScreen(LessonScreen):
                 self.model = self._own_model.name
                 self.context = min(self.context, self._own_model.max_context)
             return
-        name = "tiny-austen" if spec.kind == "tiny" else spec.model
+        name = TINY_NAME if spec.kind == "tiny" else spec.model
         if spec.kind in ("tiny", "shape", "sim") and name and not self._model_chosen:
             with contextlib.suppress(UnknownNameError):
                 model = get_model(name)

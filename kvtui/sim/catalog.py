@@ -110,6 +110,11 @@ class ModelSpec:
     """MLA: the rotary part of the key, cached beside the latent."""
     active_params: int | None = None
     """Parameters used per token by a mixture of experts; None for a dense model."""
+    matrix_params: int | None = None
+    """Parameters in the weight matrices each position is multiplied by (every parameter but
+    the embedding lookups, norms and biases; the output head counts), where the shape states
+    them exactly: kvtui's own decoder, a dense `config.json`. None: `params_per_token` stands in
+    (the "about 2N" of Kaplan et al.)."""
     source: str = ""
     """Where the figures come from (a URL, or the config file read)."""
     notes: str = ""
@@ -126,6 +131,12 @@ class ModelSpec:
     def params_per_token(self) -> int:
         """Parameters one decode step reads and multiplies (only the active experts of an MoE)."""
         return self.active_params if self.active_params is not None else self.params
+
+    @property
+    def multiplied_params(self) -> int:
+        """Parameters one position is multiplied by: `matrix_params` where known, else
+        `params_per_token`. The FLOPs formula counts 2 per parameter per position."""
+        return self.matrix_params if self.matrix_params is not None else self.params_per_token
 
     def layer_windows(self) -> tuple[int | None, ...]:
         """Per layer, the tokens it keeps in its cache: the window, or None for all of them."""
@@ -145,6 +156,7 @@ class ModelSpec:
             "vocab_size": self.vocab_size,
             "params": self.params,
             "active_params": self.active_params,
+            "matrix_params": self.matrix_params,
             "max_context": self.max_context,
             "default_dtype": self.default_dtype,
             "sliding_window": self.sliding_window,
@@ -507,6 +519,26 @@ def estimate_params(
     return layers * (attention + mlp + norms) + embeddings + extra
 
 
+def estimate_matrix_params(
+    *,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    gpt2_style: bool = False,
+) -> int:
+    """Parameters of a dense decoder's weight matrices (`ModelSpec.matrix_params`): q, k, v, o,
+    the MLP's matrices (3 gated, 2 in GPT-2's) and the output head (the embedding table again,
+    when tied), without the lookups, norms and biases that `estimate_params` also counts."""
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    attention = 2 * hidden_size * q_size + 2 * hidden_size * kv_size
+    mlp = (2 if gpt2_style else 3) * hidden_size * intermediate_size
+    return layers * (attention + mlp) + vocab_size * hidden_size
+
+
 def _moe_params(
     config: dict[str, Any], where: str, hidden: int, layers: int, dense_mlp: int
 ) -> tuple[int, int]:
@@ -642,8 +674,19 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         if stated is not None
         else None
     )
-    active = None
+    active = matrix = None
     if params is None:
+        if kv_lora_rank is None:
+            matrix = estimate_matrix_params(
+                layers=layers,
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                hidden_size=hidden,
+                intermediate_size=intermediate,
+                vocab_size=vocab,
+                gpt2_style=gpt2_style,
+            )
         params = estimate_params(
             layers=layers,
             heads=heads,
@@ -668,6 +711,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
                 params - layers * dense_mlp + all_mlp,
                 params - layers * dense_mlp + active_mlp,
             )
+            matrix = None  # the experts a token takes: active_params, approximately
 
     return ModelSpec(
         name=path.parent.name or path.stem,
@@ -681,6 +725,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         vocab_size=vocab,
         params=params,
         active_params=active,
+        matrix_params=matrix,
         max_context=max_context,
         default_dtype=default_dtype,
         sliding_window=window,

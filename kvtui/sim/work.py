@@ -135,7 +135,7 @@ def decode_step_flops(spec: ModelSpec, context_tokens: int, batch: int = 1) -> i
     2 n_layer n_ctx d_attn; kipp.ly, "Transformer Inference Arithmetic".)
     """
     _check("batch", batch, 1)
-    return batch * (2 * spec.params_per_token + attention_flops(spec, context_tokens))
+    return batch * (2 * spec.multiplied_params + attention_flops(spec, context_tokens))
 
 
 def _causal_keys(positions: int, window: int | None) -> int:
@@ -154,7 +154,7 @@ def uncached_step_flops(spec: ModelSpec, positions: int, batch: int = 1) -> int:
     _check("positions", positions, 1)
     _check("batch", batch, 1)
     keys = sum(_causal_keys(positions, w) for w in spec.layer_windows())
-    return batch * (2 * spec.params_per_token * positions + 4 * spec.heads * spec.head_dim * keys)
+    return batch * (2 * spec.multiplied_params * positions + 4 * spec.heads * spec.head_dim * keys)
 
 
 def decode_step_bytes(
@@ -188,6 +188,47 @@ def uncached_step_bytes(
     _check("positions", positions, 1)
     _check("batch", batch, 1)
     return _weights_read_bytes(spec, weights_dtype) + kv_bytes(spec, positions, batch, kv_dtype)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The formula's price of one step of a loop, every sequence's: the one place a step is
+    priced (the `sim:` engine's steps, the torch engines' formula beside what they measured, the
+    test fakes)."""
+
+    positions: int
+    """Positions computed (kvtui.engine.protocol's counting rule), times the batch."""
+    flops: int
+    bytes_read: int
+
+
+def step_cost(
+    spec: ModelSpec,
+    cached: bool,
+    step: int,
+    prompt: int,
+    batch: int = 1,
+    weights_dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+) -> StepCost:
+    """What step `step` (0-based) after a `prompt`-token prompt costs by the formulas: with a
+    cache, the prefill (`prompt` positions) and then one position against a context of
+    `prompt + step` keys; without, every one of the `prompt + step` positions again."""
+    _check("step", step, 0)
+    _check("prompt", prompt, 1)
+    context = prompt + step
+    if cached and step > 0:
+        return StepCost(
+            batch,
+            decode_step_flops(spec, context, batch),
+            decode_step_bytes(spec, context, weights_dtype, kv_dtype, batch),
+        )
+    positions = prompt if cached else context
+    return StepCost(
+        batch * positions,
+        uncached_step_flops(spec, positions, batch),
+        uncached_step_bytes(spec, positions, weights_dtype, kv_dtype, batch),
+    )
 
 
 def roofline_seconds(flops: float, bytes_read: float, gpu: GPUSpec) -> float:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from kvtui.decoder import ModelArgs, Transformer
+from kvtui.gpu.model import ModelArgs, Transformer
 
 POSITION_BUCKETS = ((0, 512), (512, 1024), (1024, 2048), (2048, 3072), (3072, 4096))
 """Position ranges (start inclusive, end exclusive) over which validation loss is reported."""

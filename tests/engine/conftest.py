@@ -2,7 +2,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtui.decoder import MATVEC_KERNELS, Linear, ModelArgs, Transformer  # noqa: E402
+from kvtui.gpu.kernels import MATVEC_KERNELS, Linear  # noqa: E402
+from kvtui.gpu.model import ModelArgs, Transformer  # noqa: E402
 
 SMALL = ModelArgs(
     n_layer=2, n_head=4, n_kv_head=2, dim=64, intermediate_size=128, max_positions=1024

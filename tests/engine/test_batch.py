@@ -6,6 +6,7 @@ import json
 import pytest
 
 from kvtui.cli import main
+from kvtui.engine.loops import Sampling, encode_text, generate
 from kvtui.engine.protocol import (
     RunFinished,
     RunSettings,
@@ -14,7 +15,6 @@ from kvtui.engine.protocol import (
     run_events,
 )
 from kvtui.engine.spec import open_engine
-from kvtui.engine.torch_engine import Sampling, encode_text, generate
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import KVPool, kv_bytes, weights_bytes
 from kvtui.sim.work import (
@@ -174,7 +174,7 @@ def test_the_pool_stops_a_batch_where_kvpool_says(budget_blocks, block, prompt, 
 def test_a_cuda_devices_ridge_is_the_catalog_gpu_it_matches(monkeypatch):
     """The lookup only (the name as the driver gives it); a run on CUDA is gpu_checks.sh's."""
     torch = pytest.importorskip("torch")
-    from kvtui.engine import torch_engine
+    from kvtui.gpu import device as torch_engine
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda:0")

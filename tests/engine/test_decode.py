@@ -1,6 +1,6 @@
 import pytest
 
-from kvtui.engine.torch_engine import Sampling, encode_text, generate
+from kvtui.engine.loops import Sampling, encode_text, generate
 from kvtui.text import Utf8Stream, decode_bytes, encode_bytes
 
 PROMPT = "It is a truth universally acknowledged, that"

@@ -1,11 +1,11 @@
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtui import decoder as model_module
-from kvtui.decoder import Linear, ModelArgs, PagedKVCache, Transformer, choose_matvec, row_sum
+from kvtui.gpu import kernels as model_module
+from kvtui.gpu.cache import PagedKVCache
+from kvtui.gpu.kernels import Linear, choose_matvec, row_sum
+from kvtui.gpu.model import ModelArgs, Transformer
 from kvtui.sim.memory import kv_bytes
 
 from .conftest import SMALL
@@ -13,7 +13,7 @@ from .conftest import SMALL
 
 def test_kv_cache_bytes_equal_the_formula(small_model):
     """Filled: the formula for the positions written; allocated: whole blocks."""
-    from kvtui.engine.torch_engine import spec_from_args
+    from kvtui.gpu.load import spec_from_args
 
     spec = spec_from_args("small", SMALL)
     kv = small_model.setup_caches(batch=1, max_len=300, block_tokens=16)
@@ -76,24 +76,27 @@ def _decode_after_prefill(model: Transformer, ids: torch.Tensor, prefix: int, on
     return torch.stack(logits), caches
 
 
+def _step(model: Transformer, token: torch.Tensor, position: int) -> torch.Tensor:
+    """The cached loop's step: the one forward on one token per row."""
+    return model(token, start=position, use_cache=True)[:, -1]
+
+
 @pytest.mark.parametrize("batch", [1, 2])
-def test_the_one_token_step_is_forward_with_the_cache_bit_for_bit(either_layout, batch):
-    """`decode`, the cached loop's hand-tuned step, is `forward` on one token: the same logits
-    and the same keys and values written, exactly, whatever the layout and the kernel."""
+def test_one_token_steps_through_the_cache_give_the_logits_of_one_causal_pass(either_layout, batch):
+    """The one forward, run token by token against the cache (the cached loop's step), gives
+    what it gives over the whole sequence at once, whatever the layout and the kernel."""
     ids = torch.randint(0, 256, (batch, 50), generator=torch.Generator().manual_seed(3))
     model = either_layout
-    fast, fast_caches = _decode_after_prefill(model, ids, 7, lambda m, t, i: m.decode(t, i))
-    slow, slow_caches = _decode_after_prefill(
-        model, ids, 7, lambda m, t, i: m(t, start=i, use_cache=True)[:, -1]
-    )
-    assert fast.shape == (43, batch, 256)
-    assert torch.equal(fast, slow)
-    for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    steps, _ = _decode_after_prefill(model, ids, 7, _step)
+    with torch.inference_mode():
+        full = model(ids)[:, 7:].transpose(0, 1)  # (positions, B, vocab)
+    assert steps.shape == (43, batch, 256)
+    torch.testing.assert_close(steps, full, rtol=1e-4, atol=1e-4)
 
 
-def test_the_one_token_step_reads_the_weights_and_kernels_set_up_with_the_caches(small_model):
-    """`setup_caches` gathers what `decode` multiplies by; `drop_caches` lets it go."""
+def test_the_cached_step_reads_the_weights_and_kernels_set_up_with_the_caches(small_model):
+    """`setup_caches` gathers what the step multiplies by, each linear once, in order;
+    `drop_caches` lets it go, and then a step needs caches again."""
     token = torch.zeros(1, 1, dtype=torch.long)
     seen = []
 
@@ -101,17 +104,33 @@ def test_the_one_token_step_reads_the_weights_and_kernels_set_up_with_the_caches
         seen.append(weight)
         return F.linear(x, weight)
 
+    small_model.setup_caches(1, 4)  # gathers the kernels as they are now: F.linear
     for module in small_model.modules():
         if isinstance(module, Linear):
             module.matvec = kernel
+    with torch.inference_mode():
+        _step(small_model, token, 0)
+    assert seen == []  # the step ran the kernels gathered with the caches
     small_model.setup_caches(1, 4)
     with torch.inference_mode():
-        small_model.decode(token, 0)
+        _step(small_model, token, 0)
     linears = [m for m in small_model.modules() if isinstance(m, Linear)]
     assert [id(w) for w in seen] == [id(m.weight) for m in linears]
     small_model.drop_caches()
     with pytest.raises(RuntimeError, match="setup_caches"):
-        small_model.decode(token, 0)
+        _step(small_model, token, 0)
+
+
+def test_the_model_counts_the_key_rows_its_layers_produce(small_model):
+    """`key_rows` grows by batch x positions per layer per call: the count the loops read."""
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        small_model(ids)
+        assert small_model.key_rows == 2 * 9 * SMALL.n_layer
+        small_model.setup_caches(2, 10)
+        small_model(ids, use_cache=True)
+        _step(small_model, ids[:, :1], 9)
+    assert small_model.key_rows == (2 * 9 + 2 * 9 + 2 * 1) * SMALL.n_layer
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -136,9 +155,8 @@ def test_weights_stored_transposed_keep_their_values_and_the_model_its_outputs(s
     assert all(torch.equal(before[k], after[k]) for k in before)
     with torch.inference_mode():
         torch.testing.assert_close(moved(ids), small_model(ids), rtol=1e-5, atol=1e-5)
-    step = lambda m, t, i: m.decode(t, i)  # noqa: E731
-    fast, fast_caches = _decode_after_prefill(moved, ids, 10, step)
-    slow, slow_caches = _decode_after_prefill(small_model, ids, 10, step)
+    fast, fast_caches = _decode_after_prefill(moved, ids, 10, _step)
+    slow, slow_caches = _decode_after_prefill(small_model, ids, 10, _step)
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     for (k1, v1), (k2, v2) in zip(fast_caches, slow_caches, strict=True):
         torch.testing.assert_close(k1, k2, rtol=1e-5, atol=1e-5)
@@ -146,19 +164,25 @@ def test_weights_stored_transposed_keep_their_values_and_the_model_its_outputs(s
 
 
 def test_choose_matvec_gives_each_weight_the_kernel_it_times_fastest(small_model, monkeypatch):
-    def slow(x, weight):
-        time.sleep(1e-4)
-        return F.linear(x, weight)
+    """Timed on a clock that each kernel advances by its own cost (no sleeping, no real timing):
+    every weight gets the cheaper kernel, each kernel keeps its best round."""
+    clock = [0.0]
 
-    def fast(x, weight):
-        return F.linear(x, weight)
+    def kernel(cost):
+        def multiply(x, weight):
+            clock[0] += cost
+            return F.linear(x, weight)
 
+        return multiply
+
+    slow, fast = kernel(1.0), kernel(0.25)
+    monkeypatch.setattr(model_module.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(model_module, "MATVEC_KERNELS", {"slow": slow, "fast": fast})
     timings = choose_matvec(small_model, rounds=2)
     linears = [m for m in small_model.modules() if isinstance(m, Linear)]
     assert all(lin.matvec is fast for lin in linears)
     assert all(t.kernel == "fast" and t.timed == t.weights for t in timings)
-    assert all(t.seconds["slow"] >= t.timed * 1e-4 for t in timings)
+    assert all(t.seconds == {"slow": t.timed * 1.0, "fast": t.timed * 0.25} for t in timings)
     # w13 and the output are both (256, 64) here: three weights of one shape, timed together
     assert sorted(t.shape for t in timings) == [(64, 64), (64, 128), (128, 64), (256, 64)]
     assert {t.shape: t.weights for t in timings}[(256, 64)] == 2 * SMALL.n_layer - 1
@@ -202,15 +226,13 @@ def test_row_sum_works_with_gradients_after_an_inference_call():
     torch.testing.assert_close(weight.grad, x.view(1, 48).expand(24, 48))
 
 
-def test_decode_needs_caches_and_a_position_inside_the_rope_table(small_model):
+def test_a_cached_step_needs_caches_and_a_position_inside_the_rope_table(small_model):
     token = torch.zeros(1, 1, dtype=torch.long)
     with pytest.raises(RuntimeError, match="setup_caches"):
-        small_model.decode(token, 0)
+        _step(small_model, token, 0)
     small_model.setup_caches(1, 8)
     with pytest.raises(ValueError, match="past the model"):
-        small_model.decode(token, SMALL.max_positions)
-    with pytest.raises(ValueError, match="one token"):
-        small_model.decode(torch.zeros(1, 2, dtype=torch.long), 0)
+        _step(small_model, token, SMALL.max_positions)
 
 
 @pytest.mark.cuda
@@ -219,7 +241,7 @@ def test_decode_needs_caches_and_a_position_inside_the_rope_table(small_model):
 def test_on_a_gpu_one_token_steps_through_the_cache_match_one_causal_pass(small_model, dtype):
     model = small_model.to(device="cuda", dtype=dtype)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(6)).cuda()
-    steps, _ = _decode_after_prefill(model, ids, 8, lambda m, t, i: m.decode(t, i))
+    steps, _ = _decode_after_prefill(model, ids, 8, _step)
     with torch.inference_mode():
         full = model(ids)[:, 8:].transpose(0, 1)  # (positions, B, vocab)
     torch.testing.assert_close(steps.float(), full.float(), rtol=2e-2, atol=2e-2)

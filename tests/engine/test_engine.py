@@ -16,6 +16,7 @@ from kvtui.engine.protocol import (
     run_events,
 )
 from kvtui.engine.spec import open_engine
+from kvtui.gpu import device, load
 from kvtui.sim.memory import kv_bytes
 from kvtui.sim.work import (
     cached_step_positions,
@@ -119,8 +120,8 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
     engine = open_engine(replace(TINY, loops=("cached",), tokens=50))
     real_loop = torch_engine.cached_loop
 
-    def failing_loop(model, prompt, n, sampling):
-        for step in real_loop(model, prompt, n, sampling):
+    def failing_loop(model, prompt, n, sampling, counted):
+        for step in real_loop(model, prompt, n, sampling, counted):
             if step.index == 10:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             yield step
@@ -150,7 +151,7 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
 )
 def test_bad_engines_are_one_clear_error(engine, message, monkeypatch):
     # as if on a 16 GiB laptop, whatever this machine has
-    monkeypatch.setattr(torch_engine, "available_bytes", lambda device: (16 << 30, "free host RAM"))
+    monkeypatch.setattr(load, "available_bytes", lambda device: (16 << 30, "free host RAM"))
     with pytest.raises(EngineError, match=message):
         open_engine(RunSettings(engine=engine, device="cpu", tokens=4))
 
@@ -182,9 +183,9 @@ def test_shape_engine_runs_a_catalog_shape_with_random_weights(monkeypatch):
 def test_device_auto_is_the_cpu_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert torch_engine.pick_device("auto").type == "cpu"
+    assert device.pick_device("auto").type == "cpu"
     with pytest.raises(EngineError, match="no CUDA device"):
-        torch_engine.pick_device("cuda")
+        device.pick_device("cuda")
 
 
 @pytest.mark.cuda

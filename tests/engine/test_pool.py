@@ -6,9 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtui.decoder import BlockPool, KVCacheFull, PagedKVCache
 from kvtui.engine.protocol import RunFinished, RunSettings, StepSample
 from kvtui.engine.spec import open_engine
+from kvtui.gpu.cache import BlockPool, KVCacheFull, PagedKVCache
 from kvtui.sim.memory import KVPool, kv_bytes
 
 TINY_PER_TOKEN = 2 * 6 * 2 * 32 * 4
@@ -47,7 +47,9 @@ def _prefill_then_decode(model, ids, prefix, **cache):
     kv = model.setup_caches(batch, n, **cache)
     with torch.inference_mode():
         logits = [model(ids[:, :prefix], start=0, use_cache=True)[:, -1]]
-        logits += [model.decode(ids[:, p : p + 1], p) for p in range(prefix, n)]
+        logits += [
+            model(ids[:, p : p + 1], start=p, use_cache=True)[:, -1] for p in range(prefix, n)
+        ]
         read = [layer.read() for layer in kv.layers]
     model.drop_caches()
     return torch.stack(logits), read
@@ -79,7 +81,9 @@ def test_a_sequence_whose_blocks_are_not_consecutive_is_gathered_to_the_same_log
     with torch.inference_mode():
         logits = [small_model(ids[:, :7], start=0, use_cache=True)[:, -1]]
         kv.pool.give_back(held[1:2])  # ...and its third block is 1, out of order
-        logits += [small_model.decode(ids[:, p : p + 1], p) for p in range(7, 40)]
+        logits += [
+            small_model(ids[:, p : p + 1], start=p, use_cache=True)[:, -1] for p in range(7, 40)
+        ]
     assert kv.tables[0][:3] == [3, 4, 1] and kv.base is None
     small_model.drop_caches()
     assert torch.equal(torch.stack(logits), whole)

@@ -8,10 +8,10 @@ import zipfile
 import pytest
 import torch
 
-from kvtui.decoder import Transformer
 from kvtui.engine.roofline import PASSAGE
-from kvtui.engine.torch_engine import TINY_ARGS, TINY_WEIGHTS, load_tiny
-from kvtui.paths import asset_path
+from kvtui.gpu.load import TINY_ARGS, load_tiny
+from kvtui.gpu.model import Transformer
+from kvtui.paths import TINY_WEIGHTS, asset_path
 from kvtui.sim.catalog import get_model
 from kvtui.training.train import TrainConfig, encode, evaluate, train
 
@@ -108,7 +108,7 @@ def test_a_seeded_sample_is_reproducible_across_runs():
 def test_a_short_training_run_lowers_the_loss():
     from dataclasses import replace
 
-    from kvtui.decoder import ModelArgs
+    from kvtui.gpu.model import ModelArgs
 
     text = encode(PASSAGE * 20)
     args = ModelArgs(
@@ -131,7 +131,7 @@ def test_a_short_training_run_lowers_the_loss():
 
 
 def test_training_resumes_where_it_stopped(tmp_path):
-    from kvtui.decoder import ModelArgs
+    from kvtui.gpu.model import ModelArgs
 
     text = encode(PASSAGE * 10)
     args = ModelArgs(
@@ -188,7 +188,7 @@ def test_assets_are_found_from_an_installed_wheel(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     code = (
         "import torch; from kvtui.paths import asset_path;"
-        "from kvtui.engine.torch_engine import load_tiny;"
+        "from kvtui.gpu.load import load_tiny;"
         "from kvtui.sim.catalog import get_model;"
         "m, meta = load_tiny(torch.device('cpu'), torch.float32);"
         "print(asset_path('tiny-austen.safetensors'), meta['name'], get_model('gpt2').layers)"

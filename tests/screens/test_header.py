@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.app import App, ComposeResult
 
-from kvtui.probe import NullProbe
+from kvtui.gpu.probe import NullProbe
 from kvtui.widgets.header import RunHeader
 
 # A description whose prose does not split where the label ends.

@@ -1,0 +1,77 @@
+"""Where a torch model runs, without a UI: the device a run asks for, what it is in words, its
+free memory, its dtype, and synchronising it before a step is timed."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvtui.engine.protocol import EngineError
+from kvtui.gpu.probe import open_probe
+from kvtui.sim.catalog import match_gpu, normalize_dtype
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work: a step is timed only after this (gpt-fast)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pick_device(name: str) -> torch.device:
+    """`auto` is CUDA when present, else the CPU; `cuda` without a GPU is an `EngineError`."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise EngineError("--device cuda: no CUDA device is available (torch sees none)")
+        return torch.device(name)
+    raise EngineError(f"unknown device {name!r}: use auto, cpu or cuda")
+
+
+def describe_device(device: torch.device) -> tuple[str, int | None, float | None]:
+    """Where a run happens, in words; the device's memory; its peak bandwidth (NVML) if known."""
+    if device.type != "cuda":
+        return "cpu", None, None
+    index = device.index or 0
+    total = torch.cuda.get_device_properties(device).total_memory
+    with open_probe(index) as probe:  # NVML: peak bandwidth from memory clock x bus width
+        peak = probe.read().peak_bandwidth_bytes_per_s
+    return f"cuda:{index} ({torch.cuda.get_device_name(device)})", total, peak
+
+
+def device_ridge(device: torch.device, memory_bytes: int | None) -> tuple[float | None, str]:
+    """The device's roofline ridge point (peak bf16 FLOP/s over peak bytes/s) and where it came
+    from: a CUDA device's from the catalog GPU it matches (kvtui.sim.catalog.match_gpu); None,
+    saying why, on a CPU (the catalog has no CPUs) or a GPU the catalog does not hold."""
+    if device.type != "cuda":
+        return None, "none: the catalog has no peak FLOP/s for a CPU"
+    name = torch.cuda.get_device_name(device)
+    gpu = match_gpu(name, memory_bytes)
+    if gpu is None:
+        return None, f"none: {name} is not in the GPU catalog"
+    return gpu.ridge_flops_per_byte, f"the catalog's {gpu.display_name}"
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU, fp32 on the CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """kvtui.sim's name of a torch dtype: torch.bfloat16 -> "bf16"."""
+    return normalize_dtype(str(dtype))
+
+
+def available_bytes(device: torch.device) -> tuple[int, str]:
+    """Free memory where the model would live, and what that memory is, in words;
+    `EngineError` when it cannot be read (a budget is not checked against a guess)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free, f"free memory on {torch.cuda.get_device_name(device)}"
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM"
+    except (ValueError, OSError) as exc:
+        raise EngineError(f"cannot read this machine's free memory: {exc}") from None
