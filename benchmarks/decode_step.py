@@ -1,15 +1,16 @@
 """Where a cached step's time goes on the CPU: the step's path, the weights' layout, the kernel.
 
-The cached loop's step is `Transformer.decode`: `forward` on one token, bit for bit, written out
-flat on weights gathered once per run. The weights are stored transposed on a CPU, and each linear
-layer multiplies one vector by the kernel `choose_matvec` times fastest when the engine loads the
-model (`ready_to_decode` -> `store_weights_transposed`). This script shows each of those choices
-and what it is worth, on this machine, in three tables:
+The cached loop's step is the model's one `forward` on one token, running flat over weights
+gathered once per run. The weights are stored transposed on a CPU, and each linear layer
+multiplies one vector by the kernel `choose_matvec` times fastest when the engine loads the model
+(`ready_to_decode` -> `store_weights_transposed`). This script shows each of those choices and
+what it is worth, on this machine, in three tables:
 
 1. `choose_matvec` as the engine ran it on loading: per weight shape, each kernel's best time.
-2. Whole cached steps of the shipped model at position `--position` (the caches rewound before
-   each): `forward(token, position, use_cache=True)` (the module path) and `decode`, on the
-   engine's layout and kernels; then `decode` with the weights as trained, and with each kernel.
+2. Whole cached steps of the shipped model at position `--position` (each step writes the same
+   position again: the paged cache takes no new block for it): `forward(token, position,
+   use_cache=True)` on the engine's layout and kernels, then with the weights as trained, and
+   with each kernel.
 3. The step's matrix-vector products alone: each of the tiny model's 25 weights (13.6 MB of fp32)
    times one vector, in the model's order, several ways (and the weight bytes streamed per
    second), once more through a module call per weight, as `forward` makes them.
@@ -72,17 +73,12 @@ def with_kernel(model: Transformer, kernel) -> Transformer:
     return model
 
 
-def one_step(model: Transformer, position: int, use_forward: bool = False):
-    """One cached step at `position`, again and again: the caches are rewound before each."""
+def one_step(model: Transformer, position: int):
+    """One cached step at `position`, again and again (the same slots written each time)."""
     token = torch.tensor([[ord("e")]])
 
     def run() -> None:
-        for cache in model.caches:
-            cache.length = position
-        if use_forward:
-            model(token, start=position, use_cache=True)
-        else:
-            model.decode(token, position)
+        model(token, start=position, use_cache=True)
 
     return run
 
@@ -125,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         m(prompt, start=0, use_cache=True)
     steps = interleaved(
         {
-            "forward (module path), the engine's weights": one_step(engine, args.position, True),
-            "decode (the engine's step), the engine's weights": one_step(engine, args.position),
-            **{f"decode, {name}": one_step(m, args.position) for name, m in models.items()},
+            "forward (the engine's step), the engine's weights": one_step(engine, args.position),
+            **{f"forward, {name}": one_step(m, args.position) for name, m in models.items()},
         },
         args.rounds,
         args.steps,
@@ -152,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "F.linear, weights stored transposed": on(transposed, F.linear),
         "torch.mv, weights stored transposed": on(transposed, mv),
         "row_sum (FBGEMM), weights stored transposed": on(transposed, row_sum),
-        "the engine's choice, as decode calls it (Linear.bound)": lambda: [
+        "the engine's choice, as forward calls it (Linear.bound)": lambda: [
             f(vectors[m.in_features]) for m, f in bound
         ],
         "the same, as module calls (as forward makes them)": lambda: [

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtui.cli import DEFAULT_APP_TOKENS, UsageError, _add_run_options, positive_int
 from kvtui.engine.process import CHILD_CWD, absolute_paths
 from kvtui.engine.protocol import EngineError, RunSettings
+from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, positive_int
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -86,7 +86,7 @@ def add_parser(subparsers: Any) -> None:
         help=f"tabs served at once, each an app and an engine process (default "
         f"{DEFAULT_MAX_SESSIONS})",
     )
-    _add_run_options(p.add_argument_group("app options (as for kvtui)"), app=True)
+    add_run_options(p.add_argument_group("app options (as for kvtui)"), app=True)
     p.set_defaults(handler=cmd_serve)
 
 
@@ -108,7 +108,7 @@ def app_argv(args: argparse.Namespace) -> list[str]:
     made absolute, since each tab's app runs isolated (`-I`: no current directory on its import
     path, no PYTHON* variables) from the file system's root."""
     recorder = _Recorder()
-    _add_run_options(recorder, app=True)
+    add_run_options(recorder, app=True)
     argv = [sys.executable, "-I", "-m", "kvtui"]
     for action in recorder.actions:
         value = getattr(args, action.dest)
@@ -472,8 +472,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import textual_serve.server  # noqa: F401
     except ImportError:
         raise UsageError(f"kvtui serve: needs textual-serve: {INSTALL_HINT}") from None
-    from kvtui.cli import settings_from_args
     from kvtui.engine.spec import check_engine
+    from kvtui.options import settings_from_args
 
     try:
         check_engine(settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS))

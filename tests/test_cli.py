@@ -407,7 +407,6 @@ def test_python_dash_m_kvtui_bad_input_has_no_traceback():
 
 
 def test_format_helpers():
-    from kvtui.cli import _article
     from kvtui.format import (
         format_bandwidth,
         format_bytes,
@@ -420,6 +419,7 @@ def test_format_helpers():
         format_seconds,
         format_tick,
     )
+    from kvtui.reports import _article
 
     assert format_bytes(25_165_824_000) == "23.4 GiB"
     assert format_bytes(80 * 2**30) == "80 GiB"

@@ -4,7 +4,7 @@ The model, its config and its tokenizer are loaded from a directory on disk thro
 (the optional `hf` extra): offline only, without remote code, from safetensors weights only. Before
 transformers sees the folder, kvtui names the exact safetensors files it will load (from
 `model.safetensors` or a shard index whose every entry stays inside the folder) and checks each
-header (kvtui.engine.spec.check_model_files); a folder of pickled weights, a `.bin` named by an
+header (kvtui.engine.model_files); a folder of pickled weights, a `.bin` named by an
 index, a link out of the folder or a FIFO among its files is one line, with nothing loaded. The
 two loops are the lesson's, run through transformers' own forward pass:
 
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from kvtui.engine.model_files import check_model_files, check_positions, read_model_config
 from kvtui.engine.protocol import EngineError, RunSettings
-from kvtui.engine.spec import check_model_files, check_positions, read_model_config
 from kvtui.engine.torch_engine import TorchEngine
 from kvtui.format import format_bytes
 from kvtui.gpu.counting import PositionCounter, count_flops

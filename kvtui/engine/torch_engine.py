@@ -71,11 +71,6 @@ def open_pool(
     return KVPool(capacity, settings.kv_block_tokens, kv_bytes_per_token), source
 
 
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of a loaded model's parameters, as they sit in memory (a tied embedding once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
 # --- the engines ---------------------------------------------------------------------------------
 
 
@@ -144,6 +139,7 @@ class TorchEngine(ABC):
             weights_bytes=parameter_bytes(self.model),
             prompt_tokens=self.prompt_ids().shape[1],
             tokens=self.settings.tokens,
+            timing="measured",
             threads=torch.get_num_threads(),
             peak_bandwidth_bytes_per_s=peak,
             device_memory_total_bytes=total,

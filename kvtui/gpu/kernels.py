@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,13 @@ def _rows_and_offsets(n_rows: int) -> tuple[Tensor, Tensor]:
         return torch.arange(n_rows), torch.zeros(1, dtype=torch.long)
 
 
-MATVEC_KERNELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"linear": F.linear}
+class Kernel(Protocol):
+    """One vector (or more) times a weight: `F.linear(x, weight)`'s signature."""
+
+    def __call__(self, x: Tensor, weight: Tensor) -> Tensor: ...
+
+
+MATVEC_KERNELS: dict[str, Kernel] = {"linear": cast(Kernel, F.linear)}
 """What `choose_matvec` times for one vector against a weight: `F.linear` (MKL's product on a
 CPU) and, where torch has FBGEMM (x86 builds), `row_sum`. In the order ties are broken."""
 if "fbgemm" in torch.backends.quantized.supported_engines:
@@ -52,9 +59,9 @@ class Linear(nn.Linear):
     """`nn.Linear` without bias, multiplying through `self.matvec`: `F.linear`, unless
     `choose_matvec` measured another kernel faster for one vector against this weight."""
 
-    def __init__(self, in_features: int, out_features: int, **factory: object) -> None:
+    def __init__(self, in_features: int, out_features: int, **factory: Any) -> None:
         super().__init__(in_features, out_features, bias=False, **factory)
-        self.matvec: Callable[[Tensor, Tensor], Tensor] = F.linear
+        self.matvec: Kernel = MATVEC_KERNELS["linear"]
 
     def forward(self, x: Tensor) -> Tensor:
         return self.matvec(x, self.weight)
@@ -101,7 +108,8 @@ def choose_matvec(
     groups: dict[tuple[int, int], list[Linear]] = {}
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.device.type == "cpu":
-            groups.setdefault(tuple(module.weight.shape), []).append(module)
+            out_features, in_features = module.weight.shape
+            groups.setdefault((out_features, in_features), []).append(module)
     timings = []
     for shape, linears in groups.items():
         first = linears[0].weight

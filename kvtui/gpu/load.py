@@ -47,7 +47,9 @@ def spec_from_args(name: str, args: ModelArgs) -> ModelSpec:
     )
 
 
-def load_tiny(device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[Transformer, dict]:
+def load_tiny(
+    device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> tuple[Transformer, dict[str, str]]:
     """The shipped model from assets/ (never through pickle), or, when the file is missing, the
     same architecture with seeded random weights, ready to decode on `device`. Returns the model
     and its metadata."""
@@ -64,7 +66,7 @@ def load_tiny(device: torch.device, dtype: torch.dtype, seed: int = 0) -> tuple[
     return ready_to_decode(model), metadata
 
 
-def trained_context(metadata: dict) -> int | None:
+def trained_context(metadata: dict[str, str]) -> int | None:
     """The longest window the shipped weights were trained on, from their metadata: the
     `context_trained` of a long-context stage, else the training config's `context`."""
     if "context_trained" in metadata:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -72,11 +72,11 @@ class ModelArgs:
             tied_embeddings=False,
         )
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict) -> ModelArgs:
+    def from_json(cls, data: dict[str, Any]) -> ModelArgs:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -85,7 +85,7 @@ class RMSNorm(nn.Module):
     """An RMSNorm's weight: `x * rsqrt(mean(x^2) + eps) * weight`, applied by `forward` as one
     `F.rms_norm` call."""
 
-    def __init__(self, dim: int, eps: float, **factory: object) -> None:
+    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, **factory))
@@ -106,7 +106,7 @@ def apply_rope(x: Tensor, freqs: Tensor) -> Tensor:
     """Rotate the pairs of `x` `(B, T, H, head_dim)` by the angles of its positions `(T, 1, hd//2)`
     (or any shapes that broadcast so): one complex multiply (as in Llama's reference code)."""
     exact = x.dtype == torch.float32  # a cast, even to itself, is a dispatch a step can save
-    pairs = torch.view_as_complex((x if exact else x.float()).unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex((x if exact else x.float()).unflatten(-1, (-1, 2)))  # type: ignore[no-untyped-call]
     rotated = torch.view_as_real(pairs * freqs).flatten(-2)  # (..., head_dim)
     return rotated if exact else rotated.type_as(x)
 
@@ -115,7 +115,7 @@ class Attention(nn.Module):
     """One layer's attention weights: the query, key and value projections as one matrix, and the
     output projection."""
 
-    def __init__(self, args: ModelArgs, **factory: object) -> None:
+    def __init__(self, args: ModelArgs, **factory: Any) -> None:
         super().__init__()
         q_dim = args.n_head * args.head_dim
         kv_dim = args.n_kv_head * args.head_dim
@@ -126,7 +126,7 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x), w1 and w3 as one matrix."""
 
-    def __init__(self, args: ModelArgs, **factory: object) -> None:
+    def __init__(self, args: ModelArgs, **factory: Any) -> None:
         super().__init__()
         self.w13 = Linear(args.dim, 2 * args.intermediate_size, **factory)
         self.w2 = Linear(args.intermediate_size, args.dim, **factory)
@@ -135,7 +135,7 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """One layer's parameters, named as the shipped weights name them."""
 
-    def __init__(self, args: ModelArgs, **factory: object) -> None:
+    def __init__(self, args: ModelArgs, **factory: Any) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, **factory)
         self.attention = Attention(args, **factory)
@@ -179,6 +179,9 @@ class Weights(NamedTuple):
 
 
 class Transformer(nn.Module):
+    rope: Tensor
+    """The RoPE table `(max_positions, head_dim // 2, 2)`: (cos, sin) of each position's angles."""
+
     def __init__(
         self,
         args: ModelArgs,
@@ -191,7 +194,7 @@ class Transformer(nn.Module):
         or for `init_weights`."""
         super().__init__()
         self.args = args
-        factory = {"dtype": dtype, "device": device}
+        factory: dict[str, Any] = {"dtype": dtype, "device": device}
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, **factory)
         self.layers = nn.ModuleList(Block(args, **factory) for _ in range(args.n_layer))
         self.norm = RMSNorm(args.dim, args.norm_eps, **factory)
@@ -279,8 +282,8 @@ class Transformer(nn.Module):
         self._weights = None
 
     def _gather(self) -> Weights:
-        layers = [layer.weights() for layer in self.layers]
-        rotations = torch.view_as_complex(self.rope.float()).unsqueeze(1)
+        layers = [cast(Block, layer).weights() for layer in self.layers]
+        rotations = torch.view_as_complex(self.rope.to(torch.float32)).unsqueeze(1)
         return Weights(
             self.tok_embeddings.weight, layers, self.norm.weight, self.output.bound(), rotations
         )

@@ -23,7 +23,10 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 from kvtui.format import format_bytes
 
@@ -117,10 +120,15 @@ class _ClosesOnExit:
     def close(self) -> None:
         pass
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 
@@ -276,9 +284,10 @@ def open_probe(device_index: int = 0, *, nvml: Any = None) -> DeviceProbe:
     """
     if nvml is None:
         try:
-            import pynvml as nvml
+            import pynvml
         except ImportError:
             return NullProbe("nvidia-ml-py is not installed (no pynvml module)")
+        nvml = pynvml
     _, reason = _nvml_call(nvml, "nvmlInit")
     if reason is not None:
         return NullProbe(reason)
@@ -297,14 +306,15 @@ def torch_memory(device: Any = 0, *, force: bool = False) -> TorchMemory:
     some hundreds of MiB of device memory) just to look. `force=True` imports torch and lets it
     initialise CUDA.
     """
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     if torch is None and not force:
         return TorchMemory(why="torch is not imported in this process")
     if torch is None:
         try:
-            import torch
+            import torch as torch_module
         except ImportError:
             return TorchMemory(why="torch is not installed")
+        torch = torch_module
     if not torch.cuda.is_available():
         return TorchMemory(why="torch sees no CUDA device")
     if not force and not torch.cuda.is_initialized():

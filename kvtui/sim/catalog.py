@@ -444,7 +444,9 @@ def _positive_int(config: dict[str, Any], where: str, *keys: str, default: Any =
     return _int(config, where, *keys, default=default)
 
 
-def _optional(config: dict[str, Any], where: str, key: str, kind: type | tuple, words: str) -> Any:
+def _optional(
+    config: dict[str, Any], where: str, key: str, kind: type | tuple[type, ...], words: str
+) -> Any:
     """A field that may be missing or null, else of `kind`; ConfigError if it is not."""
     value = config.get(key)
     if value is not None and (
@@ -456,7 +458,7 @@ def _optional(config: dict[str, Any], where: str, key: str, kind: type | tuple, 
 
 def _hf_sliding(
     config: dict[str, Any], where: str, layers: int, max_context: int
-) -> tuple[int | None, tuple]:
+) -> tuple[int | None, tuple[int, ...]]:
     """The sliding window and the layers that use it, as transformers would run the config."""
     use = _optional(config, where, "use_sliding_window", bool, "true or false")
     window = _int(config, where, "sliding_window", default=0, minimum=0)

@@ -447,7 +447,7 @@ def _with_advice(b: Budget, spec: ModelSpec, gpu: GPUSpec) -> Budget:
             if longest == 0:
                 continue
             change = f"Quantize the weights to {dtype} ({format_bytes(smaller)})"
-            if b.kv_bytes_per_gpu <= smaller_room:
+            if longest is None or b.kv_bytes_per_gpu <= smaller_room:  # None: windows all fit
                 advice.append(f"{change}: then it fits.")
             else:
                 advice.append(f"{change} and shorten the context to {format_int(longest)} tokens.")
