@@ -78,6 +78,14 @@ def _set(index: int, **fields: Any):
     return change
 
 
+def _drop(index: int, name: str):
+    def change(lines: list[dict]) -> list[Any]:
+        lines[index] = {k: v for k, v in lines[index].items() if k != name}
+        return lines
+
+    return change
+
+
 def _swap_first_steps(lines: list[dict]) -> list[dict]:
     """The cached loop's steps 0 and 1 swapped."""
     i, j = [n for n, line in enumerate(lines) if line.get("loop") == "cached"][:2]
@@ -93,6 +101,11 @@ RECORDS = {
     "settings of the wrong type": (_set(0, settings={"tokens": "many"}), "tokens is 'many'"),
     "a version of 5,000 digits": (_set(0, version=int("9" * 4000)), "version"),
     "layers a string": (_set(1, layers="32"), "layers is '32', not an integer"),
+    "a start that does not say how it was timed": (
+        _drop(1, "timing"),
+        "malformed started event: RunStarted.__init__() missing 1 required positional argument: "
+        "'timing'",
+    ),
     "a token id past 64 bits": (_set(2, token_id=10**30), "token_id is"),
     "a negative step time": (_set(2, step_seconds=-1.0), "step_seconds is negative"),
     "a step of a day": (_set(2, step_seconds=86_400.0), "a step of 86,400 s"),

@@ -9,12 +9,14 @@ and counts the work and the KV cache of all of them. `run_sweep` runs one bench 
 (`kvtui bench --batch 1,2,4,8,16`): how throughput, step time and arithmetic intensity (FLOPs per
 byte read, against the device's ridge point where known) move with the batch.
 
-Memory stays bounded: each step is kept as a few numbers in arrays (about 40 bytes, not a
-360-byte StepSample), with at most MAX_TEXT_CHARS of text, and a run has at most MAX_TOKENS steps
-per loop (kvtui.engine.spec.check_run). Every float of the summary is finite or None, so its JSON
-is JSON. `--record FILE` writes to a temporary file beside FILE and renames it onto FILE when the
-run ends, Ctrl-C included (the loops then end "cancelled"), so FILE is either untouched or a
-whole, replayable record; an existing FILE is replaced only with `force`, and never a link.
+The events are folded by kvtui.engine.summary, the fold the screens use too, so a figure means
+the same in both. Memory stays bounded: each step is kept as a few numbers in arrays (about 50
+bytes, not a 360-byte StepSample), with at most MAX_TEXT_CHARS of text, and a run has at most
+MAX_TOKENS steps per loop (kvtui.engine.spec.check_run). Every float of the summary is finite or
+None, so its JSON is JSON. `--record FILE` writes to a temporary file beside FILE and renames it
+onto FILE when the run ends, Ctrl-C included (the loops then end "cancelled"), so FILE is either
+untouched or a whole, replayable record; an existing FILE is replaced only with `force`, and never
+a link.
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ import contextlib
 import functools
 import math
 import os
-import statistics
 import tempfile
 import time
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,12 +38,12 @@ from kvtui.engine.protocol import (
     RunFailed,
     RunFinished,
     RunSettings,
-    RunStarted,
     StepSample,
     run_events,
 )
 from kvtui.engine.replay import RecordWriter
 from kvtui.engine.spec import check_run, open_engine
+from kvtui.engine.summary import LoopSummary, RunSummary
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
@@ -58,138 +58,68 @@ MAX_TEXT_CHARS = 65_536
 
 
 @dataclass
-class _Series:
-    """One loop's steps as columns of numbers: what the summary needs of each, and no more."""
-
-    token_ids: array = field(default_factory=lambda: array("q"))
-    seconds: array = field(default_factory=lambda: array("d"))
-    positions: array = field(default_factory=lambda: array("q"))
-    work: int = 0
-    """Positions computed, summed."""
-    first_positions: int = 0
-    """Positions the first step computed: the prompt (the cached loop's prefill)."""
-    text: list[str] = field(default_factory=list)
-    text_chars: int = 0
-    bandwidth: array = field(default_factory=lambda: array("d"))
-    """Bytes read per second of each step after the first (a prefill, in the cached loop)."""
-    intensity: list[float] = field(default_factory=list)
-    """FLOPs per byte read of each step after the first."""
-
-    def add(self, s: StepSample) -> None:
-        first = not self.seconds
-        self.token_ids.append(s.token_id)
-        self.seconds.append(s.step_seconds)
-        self.positions.append(s.position)
-        self.work += s.positions_computed
-        if first:
-            self.first_positions = s.positions_computed
-        if self.text_chars < MAX_TEXT_CHARS:
-            piece = s.text[: MAX_TEXT_CHARS - self.text_chars]
-            self.text.append(piece)
-            self.text_chars += len(piece)
-        if not first:
-            if s.step_seconds > 0:
-                self.bandwidth.append(s.bytes_read / s.step_seconds)
-            if s.bytes_read > 0:
-                self.intensity.append(s.flops / s.bytes_read)
-
-    def __len__(self) -> int:
-        return len(self.seconds)
-
-
-@dataclass
 class _Collected:
-    started: RunStarted | None = None
-    steps: dict[str, _Series] = field(
-        default_factory=lambda: {"cached": _Series(), "uncached": _Series()}
-    )
-    finished: dict[str, RunFinished] = field(default_factory=dict)
+    """The run folded (kvtui.engine.summary), and the first MAX_TEXT_CHARS of each loop's text."""
+
+    run: RunSummary = field(default_factory=RunSummary)
+    text: dict[str, list[str]] = field(default_factory=lambda: {"cached": [], "uncached": []})
+    text_chars: dict[str, int] = field(default_factory=lambda: {"cached": 0, "uncached": 0})
+
+    def add_text(self, s: StepSample) -> None:
+        done = self.text_chars[s.loop]
+        if done < MAX_TEXT_CHARS:
+            piece = s.text[: MAX_TEXT_CHARS - done]
+            self.text[s.loop].append(piece)
+            self.text_chars[s.loop] += len(piece)
+
+    def steps(self, loop: str) -> int:
+        return self.run.loops[loop].steps
 
 
-def loop_stats(steps: _Series, batch: int = 1) -> dict:
-    """Throughput and step-time shape of one loop of `batch` sequences (times in ms): tokens
-    (steps) per second of each sequence, and of all of them."""
-    if not steps:
-        return {
-            "tokens": 0,
-            "tokens_per_s": None,
-            "tokens_per_s_per_sequence": None,
-            "tokens_per_s_total": None,
-            "step_ms_p50": None,
-            "step_ms_first_quartile": None,
-            "step_ms_last_quartile": None,
-            "step_ms_p99": None,
-            "total_s": 0.0,
-            "ms_per_position": None,
-            "ttft_s": None,
-            "tpot_s": None,
-            "first_step_positions_per_s": None,
-            "later_step_positions_per_s": None,
-        }
-    ms = [seconds * 1e3 for seconds in steps.seconds]
-    total = sum(steps.seconds)
-    q = max(1, len(ms) // 4)
-    per_sequence = len(steps) / total if total > 0 else None
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def loop_stats(steps: LoopSummary) -> dict[str, Any]:
+    """Throughput and step-time shape of one loop (times in ms): tokens (steps) per second of
+    each sequence and of all of them, the first step's time and the later steps' (TTFT, TPOT)
+    and the positions each computes per second, every sequence's, and the FLOPs torch counted on
+    the sampled steps beside the formula's."""
     return {
-        "tokens": len(steps),
-        "tokens_per_s": per_sequence,
-        "tokens_per_s_per_sequence": per_sequence,
-        "tokens_per_s_total": batch * per_sequence if per_sequence is not None else None,
-        "step_ms_p50": statistics.median(ms),
-        "step_ms_first_quartile": statistics.median(ms[:q]),
-        "step_ms_last_quartile": statistics.median(ms[-q:]),
-        "step_ms_p99": sorted(ms)[min(len(ms) - 1, int(0.99 * len(ms)))],
-        "total_s": total,
-        "ms_per_position": _slope(steps.positions[1:].tolist(), ms[1:]),
-        **_first_and_later(steps),
+        "tokens": steps.steps,
+        "tokens_per_s": steps.tokens_per_s_per_sequence,
+        "tokens_per_s_per_sequence": steps.tokens_per_s_per_sequence,
+        "tokens_per_s_total": steps.tokens_per_s_total,
+        "step_ms_p50": _ms(steps.step_seconds_p50),
+        "step_ms_first_quartile": _ms(steps.step_seconds_first_quartile),
+        "step_ms_last_quartile": _ms(steps.step_seconds_last_quartile),
+        "step_ms_p99": _ms(steps.step_seconds_quantile(0.99)),
+        "total_s": steps.seconds_total,
+        "ms_per_position": _ms(steps.seconds_per_position),
+        "ttft_s": steps.ttft_s,
+        "tpot_s": steps.tpot_s,
+        "first_step_positions_per_s": steps.first_step_positions_per_s,
+        "later_step_positions_per_s": steps.later_step_positions_per_s,
+        "flops_counted": steps.flops_counted,
+        "flops_formula": steps.flops_formula if steps.flops_counted is not None else None,
+        "flops_sampled_steps": steps.flops_sampled_steps,
+        "flops_ratio": steps.flops_ratio,
     }
 
 
-def _first_and_later(steps: _Series) -> dict:
-    """Time to first token (the first step: the prompt's pass, a prefill with a cache) and time
-    per output token after it (the mean of the later steps: the step time of the whole batch),
-    and the positions each computes per second, every sequence's: prefill reads the whole prompt
-    in one pass, decode one position a step."""
-    first, later = steps.seconds[0], steps.seconds[1:]
-    later_seconds = sum(later)
-    later_work = steps.work - steps.first_positions
-    return {
-        "ttft_s": first,
-        "tpot_s": later_seconds / len(later) if later else None,
-        "first_step_positions_per_s": steps.first_positions / first if first > 0 else None,
-        "later_step_positions_per_s": later_work / later_seconds if later_seconds > 0 else None,
-    }
-
-
-def _slope(xs: list[int], ys: list[float]) -> float | None:
-    """Least-squares slope of ys against xs (the first step, a prefill, is left out by callers)."""
-    if len(xs) < 2:
-        return None
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else None
-
-
-def summarize(c: _Collected, settings: RunSettings) -> dict:
-    started = c.started
-    cached, uncached = c.steps["cached"], c.steps["uncached"]
-    ids_c, ids_u = cached.token_ids.tolist(), uncached.token_ids.tolist()
-    compared = min(len(ids_c), len(ids_u))  # as far as both loops got
-    divergence = next(
-        (i for i, (a, b) in enumerate(zip(ids_c, ids_u, strict=False)) if a != b), None
-    )
-    B = started.batch
-    stats_c, stats_u = loop_stats(cached, B), loop_stats(uncached, B)
-    work_c, work_u = cached.work, uncached.work
-    achieved = statistics.median(cached.bandwidth) if cached.bandwidth else None
-    intensity = statistics.fmean(cached.intensity) if cached.intensity else None
-    finished_c = c.finished.get("cached")
-    P = started.prompt_tokens
-    allocated = finished_c.kv_bytes_allocated if finished_c else None
+def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
+    """The JSON-ready summary of a collected run (kvtui.engine.summary's figures)."""
+    run = c.run
+    started = run.started
+    assert started is not None  # a run with steps began with its RunStarted (run_events)
+    cached, uncached = run.loop("cached"), run.loop("uncached")
+    stats_c, stats_u = loop_stats(cached), loop_stats(uncached)
+    allocated = cached.kv_bytes_allocated
     block_bytes = (
         started.kv_block_tokens * started.kv_bytes_per_token if started.kv_block_tokens else None
     )
-    return _finite(
+    last_q = (stats_c["step_ms_last_quartile"], stats_u["step_ms_last_quartile"])
+    summary: dict[str, Any] = _finite(
         {
             "engine": settings.engine,
             "timing": started.timing,
@@ -197,29 +127,23 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
             "model": started.model,
             "dtype": started.dtype,
             "threads": started.threads,
-            "prompt_tokens": P,
+            "prompt_tokens": started.prompt_tokens,
             "tokens": started.tokens,
-            "batch": B,
+            "batch": started.batch,
             "seed": settings.seed,
             "greedy": settings.greedy,
-            "text": "".join((cached or uncached).text),
-            "token_ids": ids_c or ids_u,
-            "identical": compared > 0 and divergence is None,
-            "compared_tokens": compared,
-            "first_divergence": divergence,
-            "cached": {**stats_c, "finished": _finished(finished_c)},
-            "uncached": {**stats_u, "finished": _finished(c.finished.get("uncached"))},
-            "speedup_wall": stats_u["total_s"] / stats_c["total_s"]
-            if stats_c["total_s"] and stats_u["total_s"]
-            else None,
-            "last_quartile_ratio": (
-                stats_u["step_ms_last_quartile"] / stats_c["step_ms_last_quartile"]
-                if stats_c["step_ms_last_quartile"] and stats_u["step_ms_last_quartile"]
-                else None
-            ),
-            "work_cached": work_c,
-            "work_uncached": work_u,
-            "work_ratio": work_u / work_c if work_c else None,
+            "text": "".join(c.text["cached"] or c.text["uncached"]),
+            "token_ids": (cached.token_ids or uncached.token_ids).tolist(),
+            "identical": run.identical,
+            "compared_tokens": run.compared_steps,
+            "first_divergence": run.first_divergence,
+            "cached": {**stats_c, "finished": _finished(cached.finished)},
+            "uncached": {**stats_u, "finished": _finished(uncached.finished)},
+            "speedup_wall": run.wall_speedup(),
+            "last_quartile_ratio": last_q[1] / last_q[0] if all(last_q) else None,
+            "work_cached": cached.positions_computed,
+            "work_uncached": uncached.positions_computed,
+            "work_ratio": run.positions_speedup(),
             "kv_bytes_per_token": started.kv_bytes_per_token,
             "kv_capacity_bytes": started.kv_capacity_bytes,
             "kv_pool_source": started.kv_pool_source,
@@ -228,22 +152,27 @@ def summarize(c: _Collected, settings: RunSettings) -> dict:
             if allocated is not None and block_bytes
             else None,
             "kv_bytes_allocated": allocated,
-            "kv_bytes_filled": finished_c.kv_bytes_filled if finished_c else None,
-            "kv_bytes_formula": B * started.kv_bytes_per_token * (P + len(cached) - 1)
-            if cached
-            else None,
+            "kv_bytes_filled": cached.kv_bytes_filled,
+            "kv_bytes_formula": run.kv_bytes_formula("cached"),
             "weights_bytes": started.weights_bytes,
-            "achieved_bandwidth_bytes_per_s": achieved,
+            "achieved_bandwidth_bytes_per_s": cached.bandwidth_bytes_per_s,
             "peak_bandwidth_bytes_per_s": started.peak_bandwidth_bytes_per_s,
-            "flops_per_byte": intensity,
+            "flops_per_byte": cached.flops_per_byte,
             "ridge_flops_per_byte": started.ridge_flops_per_byte,
             "ridge_source": started.ridge_source,
-            "messages": list(dict.fromkeys(f.message for f in c.finished.values() if f.message)),
+            "messages": list(
+                dict.fromkeys(
+                    f.message
+                    for f in (cached.finished, uncached.finished)
+                    if f is not None and f.message
+                )
+            ),
         }
     )
+    return summary
 
 
-def _finished(f: RunFinished | None) -> dict | None:
+def _finished(f: RunFinished | None) -> dict[str, Any] | None:
     """How a loop ended: its reason ("done", "out_of_memory", ...), steps and message."""
     return {"reason": f.reason, "steps": f.steps, "message": f.message} if f else None
 
@@ -265,7 +194,7 @@ def run_bench(
     record: Path | None = None,
     force: bool = False,
     progress: Callable[[str], None] = lambda line: None,
-) -> dict:
+) -> dict[str, Any]:
     """Run both loops, cached first; return the summary. `EngineError` for a bad engine, a run
     that produced no step, or a record that cannot be written (`RecordError`); Ctrl-C ends the
     run with its record, if any, whole (`Interrupted`)."""
@@ -289,13 +218,15 @@ def run_bench(
             _collect(collected, event)
             if isinstance(event, StepSample) and time.monotonic() - last_report > 1.0:
                 last_report = time.monotonic()
-                progress(f"{event.loop}: {event.step + 1}/{collected.started.tokens} tokens")
+                started = collected.run.started
+                assert started is not None  # run_events sends it before any step
+                progress(f"{event.loop}: {event.step + 1}/{started.tokens} tokens")
     except KeyboardInterrupt:
-        steps = sum(len(series) for series in collected.steps.values())
+        steps = sum(collected.steps(loop) for loop in collected.run.loops)
         if recording and steps:
             for loop in settings.loops:
-                if loop not in collected.finished:
-                    done = len(collected.steps[loop])
+                if collected.run.loops[loop].finished is None:
+                    done = collected.steps(loop)
                     recording.write(RunFinished(loop, "cancelled", done, "interrupted"))
             recording.commit()
             raise Interrupted(f"interrupted after {steps:,} steps; recorded to {record}") from None
@@ -308,8 +239,9 @@ def run_bench(
         raise
     finally:
         engine.close()
-    if not any(collected.steps.values()):
-        messages = [f.message for f in collected.finished.values() if f.message]
+    if not any(collected.steps(loop) for loop in collected.run.loops):
+        finished = [s.finished for s in collected.run.loops.values() if s.finished is not None]
+        messages = [f.message for f in finished if f.message]
         if recording:
             recording.discard()
         raise EngineError(messages[0] if messages else "the run produced no steps")
@@ -323,13 +255,13 @@ def run_sweep(
     batches: list[int],
     *,
     progress: Callable[[str], None] = lambda line: None,
-) -> dict:
+) -> dict[str, Any]:
     """One `run_bench` per batch size, in the order given: `{"sweep": [summary, ...]}`. Every
     size is checked (`check_run`) before the first run, so that a bad one costs no run."""
     runs = [replace(settings, batch=batch) for batch in batches]
     for run in runs:
         check_run(run)
-    summaries = []
+    summaries: list[dict[str, Any]] = []
     for run in runs:
         say = functools.partial(_prefixed, progress, f"batch {run.batch}: ")
         summaries.append(run_bench(run, progress=say))
@@ -380,6 +312,7 @@ class RecordFile:
 
     def start(self, settings: RunSettings) -> None:
         """The header line: the settings that ran, and when."""
+        assert self._out is not None, "start() before commit() or discard()"
         try:
             self._writer = RecordWriter(
                 self._out, settings, recorded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -389,6 +322,7 @@ class RecordFile:
             raise self._error(exc) from None
 
     def write(self, event: Event) -> None:
+        assert self._writer is not None, "start() first"
         try:
             self._writer.write(event)
         except OSError as exc:
@@ -398,6 +332,7 @@ class RecordFile:
     def commit(self) -> None:
         """Close the temporary file and move it onto the target (never over a file that
         appeared meanwhile, unless `force`)."""
+        assert self._out is not None, "commit() once, and not after discard()"
         try:
             self._out.close()
             self._out = None
@@ -439,17 +374,14 @@ def _cached_first(settings: RunSettings) -> RunSettings:
 
 
 def _collect(c: _Collected, event: Event) -> None:
-    if isinstance(event, RunStarted):
-        c.started = event
-    elif isinstance(event, StepSample):
-        c.steps[event.loop].add(event)
-    elif isinstance(event, RunFinished):
-        c.finished[event.loop] = event
-    elif isinstance(event, RunFailed):
+    if isinstance(event, RunFailed):
         raise EngineError(event.message)
+    c.run.apply(event)
+    if isinstance(event, StepSample):
+        c.add_text(event)
 
 
-def _kv_lines(r: dict) -> list[str]:
+def _kv_lines(r: dict[str, Any]) -> list[str]:
     """The KV cache's lines of the table: its pool, what the cached loop took and filled."""
     lines = []
     measured = r["timing"] == "measured"
@@ -473,7 +405,32 @@ def _kv_lines(r: dict) -> list[str]:
     return lines
 
 
-def format_table(r: dict) -> str:
+def _flops_lines(r: dict[str, Any]) -> list[str]:
+    """Per loop, the FLOPs torch counted on the sampled steps against the formula's for them
+    (none for an engine that counts none: `sim:`, `replay:` of one)."""
+    lines = []
+    for loop in ("cached", "uncached"):
+        stats = r[loop]
+        if stats["flops_counted"] is None:
+            continue
+        counted, formula = stats["flops_counted"], stats["flops_formula"]
+        steps = format_count(stats["flops_sampled_steps"], "sampled step")
+        ratio = stats["flops_ratio"]
+        verdict = (
+            "equal"
+            if counted == formula
+            else f"{ratio:.4f}x the formula"
+            if ratio is not None
+            else "the formula counts none"
+        )
+        lines.append(
+            f"  {loop}: FLOPs counted (FlopCounterMode, {steps}) {format_int(counted)} vs "
+            f"formula {format_int(formula)}: {verdict}"
+        )
+    return lines
+
+
+def format_table(r: dict[str, Any]) -> str:
     """The summary as a small table for a terminal."""
 
     def ms(v: float | None) -> str:
@@ -485,7 +442,7 @@ def format_table(r: dict) -> str:
     def seconds_ms(v: float | None) -> str:
         return "-" if v is None else ms(v * 1e3)
 
-    def both(key: str, show) -> tuple[str, str, str]:
+    def both(key: str, show: Callable[[float | None], str]) -> tuple[str, str]:
         return show(r["cached"][key]), show(r["uncached"][key])
 
     rows = [
@@ -549,12 +506,13 @@ def format_table(r: dict) -> str:
                 else ""
             )
         )
+    lines += _flops_lines(r)
     lines += [f"  {m}" for m in r["messages"]]
     lines.append(f"  text: {r['text'][:200]!r}")
     return safe_text("\n".join(lines))  # names, messages and text may come from a file
 
 
-def format_sweep(sweep: dict) -> str:
+def format_sweep(sweep: dict[str, Any]) -> str:
     """A sweep as a table for a terminal: one line per batch size."""
     runs = sweep["sweep"]
     first = runs[0]

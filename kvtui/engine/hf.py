@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from os.path import commonprefix
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -84,14 +84,17 @@ def _quiet(transformers: Any) -> Iterator[None]:
             logging.enable_progress_bar()
 
 
-def _read_config(directory: Path) -> dict:
+def _read_config(directory: Path) -> dict[str, Any]:
     return read_model_config(directory)
 
 
-def check_architecture(transformers: Any, directory: Path, config: dict) -> None:
+def check_architecture(transformers: Any, directory: Path, config: dict[str, Any]) -> None:
     """`EngineError` unless transformers knows the model type, without remote code, as a
     decoder-only causal LM (BERT-like encoders also have causal-LM heads: they are refused)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    # Not re-exported in transformers' stubs (and unused where the hf extra is not installed).
+    from transformers.models.auto.configuration_auto import (  # type: ignore[attr-defined, unused-ignore]
+        CONFIG_MAPPING_NAMES,
+    )
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -117,7 +120,7 @@ def check_architecture(transformers: Any, directory: Path, config: dict) -> None
         )
 
 
-def model_label(directory: Path, config: dict) -> str:
+def model_label(directory: Path, config: dict[str, Any]) -> str:
     """The config's hub name (`org/name`) when it has one, else the directory's name."""
     name = config.get("_name_or_path")
     if isinstance(name, str) and name and not name.startswith(("/", ".", "~")):
@@ -186,7 +189,7 @@ def load_model(
         del model
         _free(device, collect=True)
         raise EngineError(f"cannot load {directory}: {_one_line(exc)}") from None
-    return model
+    return cast(torch.nn.Module, model)
 
 
 # --- the KV cache --------------------------------------------------------------------------------
@@ -257,8 +260,10 @@ class ForwardArgs:
             extra=extra,
         )
 
-    def with_cache(self, cache: Any, start: int, length: int, device: torch.device) -> dict:
-        kwargs = {self.cache: cache, "use_cache": True, **self.extra}
+    def with_cache(
+        self, cache: Any, start: int, length: int, device: torch.device
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {self.cache: cache, "use_cache": True, **self.extra}
         if self.positions:
             kwargs["cache_position"] = torch.arange(start, start + length, device=device)
         return kwargs
@@ -274,11 +279,13 @@ class HFCache:
 
     def prefill(self, prompt: Tensor) -> Tensor:
         kwargs = self.fwd.with_cache(self.cache, 0, prompt.shape[1], prompt.device)
-        return self.model(prompt, **kwargs).logits[:, -1]
+        logits: Tensor = self.model(prompt, **kwargs).logits
+        return logits[:, -1]
 
     def decode_one_token(self, token: Tensor, position: int) -> Tensor:
         kwargs = self.fwd.with_cache(self.cache, position, 1, token.device)
-        return self.model(token, **kwargs).logits[:, -1]
+        logits: Tensor = self.model(token, **kwargs).logits
+        return logits[:, -1]
 
     def kv_bytes_filled(self, positions: int) -> int:
         return cache_bytes(self.cache, positions)
@@ -317,9 +324,10 @@ class TextStream:
         self._text = self._decode()  # the prompt's text, never emitted
 
     def _decode(self) -> str:
-        return self._tokenizer.decode(
+        text: str = self._tokenizer.decode(
             self._ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
+        return text
 
     def push(self, token_id: int) -> str:
         """The text `token_id` completes: empty in the middle of a character."""
@@ -370,7 +378,8 @@ class HFEngine(TorchEngine):
         return HFCache(self.model, self._cache, self.fwd)
 
     def recompute(self, ids: Tensor) -> Tensor:
-        return self.model(ids, use_cache=False, **self.fwd.extra).logits[:, -1]
+        logits: Tensor = self.model(ids, use_cache=False, **self.fwd.extra).logits
+        return logits[:, -1]
 
     def text_stream(self) -> Callable[[int], str]:
         return TextStream(self.tokenizer, self.prompt).push

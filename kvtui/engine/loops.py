@@ -17,8 +17,8 @@ What a step computed is observed, not restated: the positions are read off a `Po
 (kvtui.gpu.counting) before and after the step, and on sampled steps (`counts_flops`) the step's
 model call is run once more, outside its timing, under torch's `FlopCounterMode`, so that the
 counter's overhead never reaches a measured time. That second call writes the same keys and
-values at the same positions (a cached model must allow it: `CachedModel.replays`), and never
-samples.
+values at the same positions (`CachedModel.replay_flops` sets the cache up for it, or declines),
+and never samples.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -187,7 +187,7 @@ def cached_loop(
     sampling: Sampling,
     counted: Counter,
     flops_at: Callable[[int], bool] = counts_flops,
-) -> Iterator[Step]:
+) -> Generator[Step, None, None]:
     """Prefill (P positions of each of the B rows of `prompt` `(B, P)`), then one new position
     per row per step: P + n - 1 positions in all, per row, if the model computes only what it
     must (`counted` says what it did)."""
@@ -220,7 +220,7 @@ def recompute_loop(
     sampling: Sampling,
     counted: Counter,
     flops_at: Callable[[int], bool] = counts_flops,
-) -> Iterator[Step]:
+) -> Generator[Step, None, None]:
     """The uncached loop around any model: `recompute(ids)` gives the last position's logits
     `(B, vocab)` of the whole sequences `ids` `(B, T)`, computed from scratch. The step that
     emits token t (1-based) recomputes all P + t - 1 positions so far of each row of `prompt`
@@ -245,10 +245,12 @@ class DecoderCache:
     model: Transformer
 
     def prefill(self, prompt: Tensor) -> Tensor:
-        return self.model(prompt, start=0, use_cache=True)[:, -1]
+        logits: Tensor = self.model(prompt, start=0, use_cache=True)
+        return logits[:, -1]
 
     def decode_one_token(self, token: Tensor, position: int) -> Tensor:
-        return self.model(token, start=position, use_cache=True)[:, -1]
+        logits: Tensor = self.model(token, start=position, use_cache=True)
+        return logits[:, -1]
 
     def kv_bytes_filled(self, positions: int) -> int:
         assert self.model.kv is not None
@@ -266,7 +268,8 @@ class DecoderCache:
 def recompute_all(model: Transformer, ids: Tensor) -> Tensor:
     """Run the whole sequences `(B, T)` with no cache: keys and values for all T positions of
     every row again."""
-    return model(ids, start=0, use_cache=False)[:, -1]
+    logits: Tensor = model(ids, start=0, use_cache=False)
+    return logits[:, -1]
 
 
 def generate(
@@ -277,7 +280,7 @@ def generate(
     *,
     cache: bool,
     flops_at: Callable[[int], bool] = counts_flops,
-) -> Iterator[Step]:
+) -> Generator[Step, None, None]:
     """kvtui's decoder through the cached loop (its caches set up for the run and dropped after)
     or the uncached one, on prompts `(B, P)`: for scripts, benchmarks and tests that want steps
     without an engine. `flops_at` picks the steps whose FLOPs are counted (a benchmark of the

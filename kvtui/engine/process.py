@@ -34,6 +34,7 @@ from typing import IO
 from kvtui.engine.protocol import (
     EngineError,
     Event,
+    RunControl,
     RunFailed,
     RunSettings,
     event_from_json,
@@ -193,7 +194,8 @@ class EngineProcess:
         if proc.poll() is None:
             self.stop()
             with contextlib.suppress(OSError, ValueError):
-                proc.stdin.close()  # EOF stops the child too
+                if proc.stdin is not None:  # always a pipe (`start`)
+                    proc.stdin.close()  # EOF stops the child too
             try:
                 proc.wait(timeout / 2)
             except subprocess.TimeoutExpired:
@@ -212,7 +214,7 @@ class EngineProcess:
 # --- the child ----------------------------------------------------------------------------------
 
 
-def _read_commands(control) -> None:
+def _read_commands(control: RunControl) -> None:
     """Apply `pause` / `resume` / `stop` lines from stdin; EOF (the parent went away) stops."""
     for line in sys.stdin:
         command = line.strip()
@@ -226,7 +228,7 @@ def _read_commands(control) -> None:
 
 
 def child_main() -> int:
-    from kvtui.engine.protocol import RunControl, run_events
+    from kvtui.engine.protocol import run_events
     from kvtui.engine.spec import open_engine
 
     out = sys.stdout

@@ -143,6 +143,10 @@ class RunStarted:
     """The prompt's positions, per sequence."""
     tokens: int
     """Tokens to generate, per sequence."""
+    timing: str
+    """How step times were had: "measured" (wall time after device sync) or "modelled
+    (roofline)" (the `sim:` engine's arithmetic). Required: every engine says which, and a
+    record without it is refused rather than read as measured."""
     threads: int = 1
     peak_bandwidth_bytes_per_s: float | None = None
     device_memory_total_bytes: int | None = None
@@ -150,9 +154,6 @@ class RunStarted:
     """The most positions (prompt + answer) the model can run, where it has a limit."""
     trained_positions: int | None = None
     """The longest sequence the model was trained on, where known: past it, text may degrade."""
-    timing: str = "measured"
-    """How step times were had: "measured" (wall time after device sync) or "modelled
-    (roofline)" (the `sim:` engine's arithmetic)."""
     prompt_text: str = ""
     """The prompt as text, for showing before the generated text (dimmed)."""
     kv_capacity_bytes: int | None = None

@@ -107,13 +107,16 @@ def open_engine(settings: RunSettings) -> StepSource:
     if spec.kind == "sim":
         from kvtui.engine.roofline import SimEngine
 
+        assert spec.model is not None and spec.gpu is not None  # parse_engine sets both for sim:
         return SimEngine.open(settings, spec.model, spec.gpu, spec.gpus)
     if spec.kind == "replay":
         from kvtui.engine.replay import ReplayEngine
 
+        assert spec.path is not None  # parse_engine sets it for replay:
         return ReplayEngine.open(spec.path, settings)
     from kvtui.engine.hf import open_hf_engine
 
+    assert spec.path is not None  # parse_engine sets it for hf:
     return open_hf_engine(settings, spec.path)
 
 
@@ -130,6 +133,7 @@ def check_engine(settings: RunSettings) -> None:
     elif spec.kind == "hf":
         from kvtui.sim.catalog import ConfigError, model_from_hf_config
 
+        assert spec.path is not None  # parse_engine sets it for hf:
         config = read_model_config(spec.path)
         try:
             limit = model_from_hf_config(spec.path / "config.json").max_context
@@ -203,6 +207,7 @@ def model_positions(spec: EngineSpec) -> tuple[str, int] | None:
     if spec.kind in ("shape", "sim"):
         from kvtui.sim.catalog import UnknownNameError, get_model
 
+        assert spec.model is not None  # parse_engine sets it for shape: and sim:
         try:
             model = get_model(spec.model)
         except UnknownNameError as exc:

@@ -14,7 +14,9 @@ loop with "out of memory at N tokens", frees the cache, and the process goes on.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
+from dataclasses import replace
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -154,7 +156,7 @@ class TorchEngine(ABC):
             ridge_source=ridge_source,
         )
 
-    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
+    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
         s = self.settings
         B = s.batch
         prompt = self.prompt_ids().expand(B, -1)  # (B, P): the same prompt in every row
@@ -167,7 +169,7 @@ class TorchEngine(ABC):
         text = self.text_stream()
         allocated = filled = None
         done, stopped = 0, ""
-        run: Iterator[Step] | None = None
+        run: Generator[Step, None, None] | None = None
         try:
             if loop == "cached":
                 model = self.cached(P + s.tokens, B)
@@ -192,7 +194,7 @@ class TorchEngine(ABC):
             if loop == "cached":
                 self.free_cache()
             trim_host_memory()  # after the loop, outside every timed step
-        reason = "out_of_memory" if stopped else "done"
+        reason: Literal["out_of_memory", "done"] = "out_of_memory" if stopped else "done"
         yield RunFinished(
             loop, reason, done, stopped, kv_bytes_allocated=allocated, kv_bytes_filled=filled
         )
@@ -229,6 +231,10 @@ class TorchEngine(ABC):
 class DecoderEngine(TorchEngine):
     """kvtui's own decoder: `tiny` (byte-level, the shipped weights) or `shape:NAME` (a catalog
     model's shape, random weights, random prompt ids as long as the prompt's bytes)."""
+
+    model: Transformer
+    pool: KVPool
+    """Always opened (`open_pool`): the cached loop's blocks come from it."""
 
     def __init__(
         self,
@@ -304,6 +310,9 @@ def open_torch_engine(settings: RunSettings, model_name: str | None) -> DecoderE
     context = len(encode_bytes(settings.prompt)) + settings.tokens
     model = build_shape(spec, device, dtype, context, settings.seed, settings.batch)
     label = f"shape:{spec.name}"
+    # Priced as what runs: kvtui's decoder in that shape (its own parameters, every position
+    # attended: no sliding window), not the catalog entry it was built from.
+    ran = replace(spec_from_args(label, model.args), display_name=spec.label)
     return DecoderEngine(
-        settings, model, spec, device, label, byte_level=False, trained_positions=spec.max_context
+        settings, model, ran, device, label, byte_level=False, trained_positions=spec.max_context
     )

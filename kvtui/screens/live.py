@@ -8,11 +8,12 @@ compares `LiveRun.version` with the version it last drew, from a timer of its ow
 
 from __future__ import annotations
 
-import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtui.engine.protocol import Loop, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.engine.summary import LoopSummary, RunSummary
 from kvtui.sim.memory import KVPool
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
@@ -22,9 +23,6 @@ MAX_POINTS = 2048
 
 MAX_TEXT_CHARS = 6000
 """Characters of each token stream kept for display (the tail)."""
-
-RECENT_STEPS = 64
-"""Cached steps whose bandwidth is averaged for the live figure."""
 
 
 @dataclass
@@ -49,45 +47,56 @@ class Series:
 
 @dataclass
 class LoopTrace:
-    """What one loop (cached or uncached) has produced so far."""
+    """What one loop (cached or uncached) has produced so far, as the screens draw it: the tail
+    of its text and its chart series here, its figures in `figures` (kvtui.engine.summary, the
+    fold `kvtui bench` reads too)."""
 
-    steps: int = 0
+    figures: LoopSummary
     text: str = ""
     """The tail of the generated text (at most MAX_TEXT_CHARS)."""
     last_text: str = ""
     """The text of the newest token, for marking the current step."""
-    token_ids: list[int] = field(default_factory=list)
-    seconds_total: float = 0.0
-    seconds_cumulative: list[float] = field(default_factory=list)
-    """Wall seconds after each step (one float per step: for the wall-time speedup)."""
-    positions_cumulative: list[int] = field(default_factory=list)
-    """Positions computed after each step, as the engine counted them (one int per step)."""
-    last_positions: int = 0
-    """Positions the newest step computed, per sequence."""
     step_seconds: Series = field(default_factory=Series)
     positions: Series = field(default_factory=Series)
-    last: StepSample | None = None
-    recent_bandwidth: list[float] = field(default_factory=list)
-    finished: RunFinished | None = None
+    """Positions each step computed, per sequence."""
 
-    def add(self, sample: StepSample, batch: int = 1) -> None:
-        """Fold a step in; its positions are kept per sequence (a batch's step counts all
-        `batch` of them)."""
-        self.steps = sample.step + 1
+    def add(self, sample: StepSample) -> None:
+        """Draw a step the figures have just folded in."""
         self.text = (self.text + sample.text)[-MAX_TEXT_CHARS:]
         self.last_text = sample.text
-        self.token_ids.append(sample.token_id)
-        self.seconds_total += sample.step_seconds
-        self.seconds_cumulative.append(self.seconds_total)
-        positions = self.last_positions = sample.positions_computed // batch
-        done = self.positions_cumulative[-1] if self.positions_cumulative else 0
-        self.positions_cumulative.append(done + positions)
         self.step_seconds.add(sample.step, sample.step_seconds)
-        self.positions.add(sample.step, positions)
-        self.last = sample
-        if sample.step_seconds > 0 and sample.step > 0:
-            self.recent_bandwidth.append(sample.bytes_read / sample.step_seconds)
-            del self.recent_bandwidth[:-RECENT_STEPS]
+        self.positions.add(sample.step, self.figures.last_positions)
+
+    @property
+    def steps(self) -> int:
+        return self.figures.steps
+
+    @property
+    def last(self) -> StepSample | None:
+        return self.figures.last
+
+    @property
+    def finished(self) -> RunFinished | None:
+        return self.figures.finished
+
+    @property
+    def seconds_total(self) -> float:
+        return self.figures.seconds_total
+
+    @property
+    def seconds_cumulative(self) -> Sequence[float]:
+        """Seconds after each step, summed from the first (for the wall-time speedup)."""
+        return self.figures.seconds_cumulative
+
+    @property
+    def positions_cumulative(self) -> Sequence[int]:
+        """Positions computed after each step, per sequence, as the engine counted them."""
+        return self.figures.positions_cumulative
+
+    @property
+    def last_positions(self) -> int:
+        """Positions the newest step computed, per sequence."""
+        return self.figures.last_positions
 
 
 @dataclass(frozen=True)
@@ -138,16 +147,17 @@ class LivePool:
 
 @dataclass
 class LiveRun:
-    """Everything the screens show about the engine run, folded from its events."""
+    """Everything the screens show about the engine run: its state, and its events folded by
+    kvtui.engine.summary (`summary`), the fold `kvtui bench` reads too."""
 
     settings: RunSettings
     device_description: str = "probing the device..."
     device_label: str = "probing..."
     """The device in a few words, for a narrow header: "CPU, no GPU", "NVIDIA H100 80GB HBM3"."""
     probe: dict[str, Any] | None = None
-    started: RunStarted | None = None
     state: RunState = "starting"
     failure: str = ""
+    summary: RunSummary = field(default_factory=RunSummary)
     loops: dict[str, LoopTrace] = field(default_factory=dict)
     version: int = 0
     """Bumped on every change; screens redraw when it differs from what they drew."""
@@ -158,10 +168,10 @@ class LiveRun:
     def reset(self, settings: RunSettings) -> None:
         """Forget the old run: a new one with these settings is starting."""
         self.settings = settings
-        self.started = None
         self.state = "starting"
         self.failure = ""
-        self.loops = {"uncached": LoopTrace(), "cached": LoopTrace()}
+        self.summary = RunSummary()
+        self.loops = {name: LoopTrace(figures) for name, figures in self.summary.loops.items()}
         self.version += 1
 
     def set_probe(self, probe: dict[str, Any]) -> None:
@@ -176,16 +186,15 @@ class LiveRun:
 
     def apply(self, event: RunStarted | StepSample | RunFinished | RunFailed) -> None:
         """Fold one engine event in."""
+        self.summary.apply(event)
         if isinstance(event, StepSample):
-            self.loops[event.loop].add(event, self.batch)
+            self.loops[event.loop].add(event)
             if self.state == "starting":
                 self.state = "running"
         elif isinstance(event, RunStarted):
-            self.started = event
             if self.state == "starting":
                 self.state = "running"
         elif isinstance(event, RunFinished):
-            self.loops[event.loop].finished = event
             if event.reason == "error":  # the engine refused or broke: say why in the header
                 self.state = "failed"
                 self.failure = event.message or "the engine stopped with an error"
@@ -202,6 +211,11 @@ class LiveRun:
 
     def loop(self, name: Loop) -> LoopTrace:
         return self.loops[name]
+
+    @property
+    def started(self) -> RunStarted | None:
+        """What the engine said it is running, once it has started."""
+        return self.summary.started
 
     @property
     def model(self) -> str:
@@ -232,34 +246,20 @@ class LiveRun:
 
     def first_divergence(self) -> int | None:
         """The first step at which the two loops chose different tokens; None if none yet."""
-        a, b = self.loops["uncached"].token_ids, self.loops["cached"].token_ids
-        for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            if x != y:
-                return i
-        return None
+        return self.summary.first_divergence
 
     def compared_steps(self) -> int:
         """Steps that both loops have produced."""
-        return min(self.loops["uncached"].steps, self.loops["cached"].steps)
+        return self.summary.compared_steps
 
     def wall_speedup(self) -> float | None:
         """Uncached over cached wall seconds, over the steps both loops have done."""
-        n = self.compared_steps()
-        if n == 0:
-            return None
-        uncached = self.loops["uncached"].seconds_cumulative[n - 1]
-        cached = self.loops["cached"].seconds_cumulative[n - 1]
-        return uncached / cached if cached > 0 else None
+        return self.summary.wall_speedup()
 
     def work_over(self, steps: int) -> tuple[int, int]:
         """Positions the uncached and the cached loop computed over their first `steps` steps,
-        as the engine counted them (both loops must have run that far)."""
-        if steps == 0:
-            return 0, 0
-        return (
-            self.loops["uncached"].positions_cumulative[steps - 1],
-            self.loops["cached"].positions_cumulative[steps - 1],
-        )
+        per sequence, as the engine counted them (both loops must have run that far)."""
+        return self.summary.work_over(steps)
 
     @property
     def timing(self) -> str:
@@ -271,20 +271,15 @@ class LiveRun:
         return self.started.prompt_text if self.started else ""
 
     def achieved_bandwidth(self) -> float | None:
-        """Median bytes read per second of the recent cached steps (the step itself excluded the
-        prefill, whose bytes and time are of a different kind)."""
-        recent = self.loops["cached"].recent_bandwidth
-        return statistics.median(recent) if recent else None
+        """Median bytes read per second of the recent cached steps (the first excluded: a
+        prefill's bytes and time are of a different kind)."""
+        return self.summary.loop("cached").recent_bandwidth_bytes_per_s()
 
     def kv_bytes_measured(self) -> tuple[int, int] | None:
-        """(KV bytes the engine holds, the formula's bytes for the same positions), or None.
-
-        After the step at `position` the cache holds keys and values of positions 0 .. position-1
-        (the new token's own are written when it is fed back in, at the next step)."""
-        last = self.loops["cached"].last
-        if last is None or self.started is None:
-            return None
-        return last.kv_bytes, self.started.kv_bytes_per_token * last.position * self.batch
+        """(KV bytes the engine holds, the formula's bytes for the same positions), or None
+        (kvtui.engine.summary.RunSummary.kv_bytes_formula: sliding windows counted)."""
+        held, formula = self.summary.loop("cached").kv_bytes_filled, self.summary.kv_bytes_formula()
+        return None if held is None or formula is None else (held, formula)
 
     def pool(self) -> LivePool | None:
         """The running engine's KV pool and what the cached loop holds of it now, measured; None

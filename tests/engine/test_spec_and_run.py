@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 
 import pytest
@@ -113,18 +112,37 @@ def test_record_then_replay_gives_the_same_samples(tmp_path):
     assert list(run_events(engine, engine.settings)) == events
 
 
-def test_replay_keeps_the_recorded_pace(tmp_path):
+def test_replay_keeps_the_recorded_pace(tmp_path, monkeypatch):
+    """Each replayed step waits its recorded time over the speed, before it is yielded; speed 0
+    waits not at all. The waits are recorded, not timed: a clock would only test the machine."""
+    from kvtui.engine import replay
+
     settings = replace(SIM, tokens=5, loops=("cached",))
     events = list(run_events(open_engine(settings), settings))
-    slow = [replace(e, step_seconds=0.05) if isinstance(e, StepSample) else e for e in events]
+    slow = [
+        replace(e, step_seconds=0.05 * (e.step + 1)) if isinstance(e, StepSample) else e
+        for e in events
+    ]
     path = tmp_path / "slow.jsonl"
     write_record(path, settings, slow)
-    engine = open_engine(RunSettings(engine=f"replay:{path}", replay_speed=1.0))
-    started = time.perf_counter()
-    list(run_events(engine, engine.settings))
-    assert time.perf_counter() - started >= 5 * 0.05
+    yielded: list = []
+    waits: list[tuple[float, int]] = []
+    monkeypatch.setattr(replay.time, "sleep", lambda s: waits.append((s, len(yielded))))
+    for speed, pace in (
+        (1.0, [0.05, 0.1, 0.15, 0.2, 0.25]),
+        (2.0, [0.025, 0.05, 0.075, 0.1, 0.125]),
+    ):
+        yielded.clear()
+        waits.clear()
+        engine = open_engine(RunSettings(engine=f"replay:{path}", replay_speed=speed))
+        for event in run_events(engine, engine.settings):
+            yielded.append(event)
+        assert yielded == slow
+        assert [s for s, _ in waits] == pytest.approx(pace)
+        assert [before for _, before in waits] == [1, 2, 3, 4, 5]  # after `started`, each step
+    waits.clear()
     fast = open_engine(RunSettings(engine=f"replay:{path}", replay_speed=0))
-    assert list(run_events(fast, fast.settings)) == slow
+    assert list(run_events(fast, fast.settings)) == slow and waits == []
 
 
 @pytest.mark.parametrize(
@@ -159,7 +177,7 @@ def test_pause_holds_the_run_between_steps():
     thread.join(0.2)
     assert not got  # paused: no step
     control.resume()
-    thread.join(2)
+    thread.join(30)  # a bound: it returns with the step
     assert isinstance(got[0], StepSample)
 
 
@@ -201,13 +219,15 @@ def test_a_killed_engine_process_becomes_run_failed():
     proc.close()
 
 
-def test_stop_and_close_end_the_engine_process_quickly():
+def test_stop_and_close_end_the_engine_process_when_asked():
     proc = EngineProcess(replace(SIM, tokens=100_000, replay_speed=1.0))
     proc.start()
     events = proc.events()
     next(events)
     next(events)
-    proc.close(timeout=1.0)
+    # A bound, not a goal: close returns once the child has exited, and terminates it only
+    # if it ignored the stop (how soon it stops is a benchmark's, not this test's).
+    proc.close(timeout=60.0)
     assert not proc.alive
     assert proc.returncode == 0  # it stopped when asked: not terminated, not killed
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 
 from kvtui.engine.protocol import (
     Event,
@@ -12,6 +13,7 @@ from kvtui.engine.protocol import (
     StepSample,
     run_events,
 )
+from kvtui.engine.roofline import MODELLED
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes_per_token, kv_capacity, weights_bytes
 from kvtui.sim.work import (
@@ -70,7 +72,11 @@ def sim_events(
     settings: RunSettings, model: str = "llama-3.1-8b", gpu: str = "h100"
 ) -> list[Event]:
     """A deterministic run of both loops, timed by a made-up but fixed rule, in the order the
-    engine's fair schedule gives them (the cached loop's short steps race ahead)."""
+    engine's fair schedule gives them (the cached loop's short steps race ahead).
+
+    Its device is a `sim:` one and its step times are arithmetic, not a clock, so it says what
+    the `sim:` engine says: timing modelled, no threads. `measured_events` is the same run as a
+    measured engine reports it."""
     spec, card = get_model(model), get_gpu(gpu)
     prompt = 1 if settings.lesson else PROMPT_TOKENS
     per_token = kv_bytes_per_token(spec, "bf16")
@@ -86,6 +92,8 @@ def sim_events(
         weights_bytes=weights_bytes(spec, "bf16"),
         prompt_tokens=prompt,
         tokens=settings.tokens,
+        timing=MODELLED,
+        threads=0,
         peak_bandwidth_bytes_per_s=card.bandwidth_bytes_per_s,
         device_memory_total_bytes=card.memory_bytes,
         prompt_text=" ".join(WORDS[:prompt]),
@@ -135,8 +143,18 @@ def sim_events(
     return list(run_events(_Steps(started, steps), settings))
 
 
+def measured_events(settings: RunSettings) -> list[Event]:
+    """`sim_events` as a measured engine on a CPU reports its run: timing measured, the device
+    `cpu`, one thread. For the screens' measured path (wall-time labels and explanations)."""
+    return [
+        replace(e, timing="measured", device="cpu", threads=1) if isinstance(e, RunStarted) else e
+        for e in sim_events(settings)
+    ]
+
+
 class FakeEngine:
-    """Yields a list of events; can hold before a step (`hold_at`) until closed, like a slow run."""
+    """Yields a list of events (by default `sim_events` of its settings, `measured_events` with
+    `measured`); can hold before a step (`hold_at`) until closed, like a slow run."""
 
     instances: list[FakeEngine] = []
 
@@ -146,9 +164,12 @@ class FakeEngine:
         events: list[Event] | None = None,
         hold_at: int | None = None,
         fail_start: Exception | None = None,
+        measured: bool = False,
     ) -> None:
         self.settings = settings
-        self._events = sim_events(settings) if events is None else events
+        if events is None:
+            events = measured_events(settings) if measured else sim_events(settings)
+        self._events = events
         self._hold_at = hold_at
         self._fail_start = fail_start
         self._closed = threading.Event()

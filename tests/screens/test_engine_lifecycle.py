@@ -16,9 +16,8 @@ SIZE = (100, 30)
 async def test_quitting_mid_run_ends_the_engine_and_the_worker():
     app = build(1, hold_at=10)  # the engine stalls mid-run, like a long step
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause()
         engine = FakeEngine.instances[-1]
-        assert engine.alive
+        await wait_for(pilot, lambda: engine.alive)  # started by the reader worker
         workers = [w for w in app.workers if w.group == "decode"]
         await pilot.press("q")
     assert not engine.alive
@@ -39,23 +38,25 @@ async def test_space_pauses_and_resumes():
 async def test_restart_replaces_the_engine():
     app = build(1, hold_at=10)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause()
         first = FakeEngine.instances[-1]
+        await wait_for(pilot, lambda: first.alive)  # running, so the restart has one to end
         await pilot.press("r")
-        await pilot.pause()
         second = FakeEngine.instances[-1]
         assert second is not first
-        await wait_for(pilot, lambda: not first.alive)
+        await wait_for(pilot, lambda: not first.alive and second.alive)
 
 
 async def test_a_worker_failure_becomes_a_notification():
     app = build(1, fail_start=RuntimeError("no engine here"))
     seen = []
     async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
-        assert app.live.state == "failed"
-        assert any("no engine here" in m for m in notifications(seen))
+        await wait_for(
+            pilot,
+            lambda: (
+                app.live.state == "failed"
+                and any("no engine here" in m for m in notifications(seen))
+            ),
+        )
         assert app.is_running  # the app stays up
 
 
@@ -64,37 +65,33 @@ async def test_a_dying_engine_says_so_and_offers_restart():
     app = build(1, events=events)
     seen = []
     async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await wait_for(pilot, lambda: any("signal 9" in m for m in notifications(seen)))
         app.screen.redraw_now()
         header = str(app.screen.query_one("RunHeader").render())
         assert "killed by signal 9" in header and "r restarts" in header
-        assert any("signal 9" in m for m in notifications(seen))
 
 
 async def test_r_runs_exactly_the_chosen_length_longer_or_shorter():
     app = build(1, 32, hold_at=10)
     async with app.run_test(size=SIZE) as pilot:
-        await pilot.pause()
+        await wait_for(pilot, lambda: app.live.started is not None)
         await pilot.press(*["right"] * 8)  # 32 -> 40
         note = app.screen.query_one("#run-note")
-        assert "r runs 40 tokens (this run: 32)" in str(note.render())
+        await wait_for(pilot, lambda: "r runs 40 tokens (this run: 32)" in str(note.render()))
         assert note.has_class("-beyond")
         await pilot.press("r")
-        await pilot.pause()
         assert FakeEngine.instances[-1].settings.tokens == 40 == app.live.run_tokens
-        assert not note.has_class("-beyond")
+        await wait_for(pilot, lambda: not note.has_class("-beyond"))  # redrawn for the new run
         await pilot.press(*["left"] * 10, "r")  # shorter: it runs shorter
-        await pilot.pause()
-        assert FakeEngine.instances[-1].settings.tokens == 30
+        assert FakeEngine.instances[-1].settings.tokens == 30 == app.live.run_tokens
 
 
 async def test_restart_is_capped_at_the_longest_length():
     app = build(2, 24, hold_at=10)
     async with app.run_test(size=SIZE) as pilot:
         await pilot.press(*["shift+right"] * 10, "r")  # the length doubles up to 4,096
-        await pilot.pause()
-        assert app.length == app.screen.length == 4096
+        assert app.length == 4096
+        await wait_for(pilot, lambda: app.screen.length == 4096)
         assert FakeEngine.instances[-1].settings.tokens == 4096
 
 
@@ -114,9 +111,10 @@ async def test_an_engine_that_refuses_the_length_says_why():
     app = build(1, events=events)
     seen = []
     async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
-        assert app.live.state == "failed"
+        await wait_for(
+            pilot,
+            lambda: app.live.state == "failed" and any(why in m for m in notifications(seen)),
+        )
         app.screen.redraw_now()
         header = str(app.screen.query_one("RunHeader").render())
         assert why in header and "r restarts" in header
@@ -135,8 +133,7 @@ async def test_restart_stays_within_the_models_positions():
     events = [replace(events[0], max_positions=limit), *events[1:]]
     app = build(1, 24, events=events)
     async with app.run_test(size=SIZE) as pilot:
-        await app.workers.wait_for_complete()
+        await wait_for(pilot, lambda: app.live.started is not None)  # the model's limit known
         await pilot.press(*["right"] * 60, "r")
-        await pilot.pause()
         assert app.length == 50  # capped: the model holds no more after its prompt
         assert FakeEngine.instances[-1].settings.tokens == 50

@@ -56,9 +56,10 @@ async def test_a_burst_of_r_leaves_one_engine_running():
             app.post_message(events.Key("r", "r"))
         await wait_for(pilot, lambda: len(FakeEngine.instances) == 201)
         await wait_for(pilot, lambda: app.live.state == "running")
-        alive = [engine for engine in FakeEngine.instances if engine.alive]
-        assert alive == [FakeEngine.instances[-1]]
-        assert [w.group for w in app.workers if w.is_running] == ["decode"]
+        last = FakeEngine.instances[-1]
+        # each cancelled reader closes its engine from its own thread: wait for them to
+        await wait_for(pilot, lambda: [e for e in FakeEngine.instances if e.alive] == [last])
+        await wait_for(pilot, lambda: [w.group for w in app.workers if w.is_running] == ["decode"])
         assert app.live.run_tokens == 32
 
 

@@ -6,6 +6,7 @@ import pytest
 from conftest import PROBE, build, screen_text
 from test_screens import settle
 
+from kvtui.engine.roofline import MODELLED
 from kvtui.widgets.chart import rolling_median
 
 SMALL, MEDIUM, LARGE = (80, 24), (100, 30), (160, 48)
@@ -13,13 +14,16 @@ SMALL, MEDIUM, LARGE = (80, 24), (100, 30), (160, 48)
 
 @pytest.mark.parametrize("size", [SMALL, MEDIUM, LARGE])
 async def test_screen3_shows_the_live_lines(size):
+    """The fake's run is a `sim:` device's, timed by arithmetic: the lines say modelled."""
     app = build(3)
     async with app.run_test(size=size) as pilot:
         await settle(app, pilot)
+        assert app.live.timing == MODELLED
         text = screen_text(app)
+        assert "measured" not in text.lower()
         for words in (
-            "LIVE (measured): llama-3.1-8b on sim: h100",
-            "Live (measured, 1 thread):",
+            "LIVE (modelled): llama-3.1-8b on sim: h100",
+            f"Live ({MODELLED}):",
             "KV held",
             "formula",
             "reads ",
@@ -31,7 +35,7 @@ async def test_screen3_shows_the_live_lines(size):
 
 
 async def test_80x24_screen1_keeps_its_narrative_and_legend():
-    app = build(1, 24)
+    app = build(1, 24, measured=True)  # a measured run's legend: its times are wall time
     async with app.run_test(size=SMALL) as pilot:
         await settle(app, pilot)
         assert app.screen.has_class("-narrow") and app.screen.has_class("-short")
@@ -42,9 +46,11 @@ async def test_80x24_screen1_keeps_its_narrative_and_legend():
 
 
 async def test_80x24_screen2_keeps_its_explanation_and_legend():
-    app = build(2, 24)
+    """The measured explanation, the longer one (a CPU run's), fits at 80x24."""
+    app = build(2, 24, measured=True)
     async with app.run_test(size=SMALL) as pilot:
         await settle(app, pilot)
+        assert app.live.timing == "measured"
         text = " ".join(screen_text(app).split())  # lines re-joined: the wrap does not matter
         assert "it still reads every cached key and value (screen 3)." in text
         assert "with a cache x: tokens" in text

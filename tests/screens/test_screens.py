@@ -8,7 +8,6 @@ from conftest import SETTINGS, build, screen_text, wait_for
 from fakes import FakeEngine, sim_events
 from textual.widgets import Static
 
-from kvtui.engine.protocol import RunStarted
 from kvtui.engine.roofline import MODELLED
 from kvtui.format import format_ratio
 from kvtui.screens.cache import CacheScreen
@@ -33,25 +32,32 @@ async def settle(app, pilot) -> None:
     await pilot.pause()
 
 
-async def test_screen1_cards_are_the_runs_counts():
-    """The cards are what the engine counted: P + t - 1 positions at step t (P = 9 here)."""
-    app = build(1, 24)
-    async with app.run_test(size=SIZE) as pilot:
-        await settle(app, pilot)
-        assert isinstance(app.screen, RecomputeScreen)
-        P = app.live.prompt_tokens
-        assert P == 9
-        total = sum(P + t - 1 for t in range(1, 25))
-        assert (card(app, "per-step"), card(app, "total"), card(app, "wasted")) == (
-            f"{P + 23}x",
-            f"{total:,}",
-            f"{total - (P + 23):,}",
-        )
-        assert card(app, "total") == f"{app.live.loop('uncached').positions_cumulative[-1]:,}"
+async def test_screen1_cards_are_the_positions_the_run_reported():
+    """The cards add up the positions the run's steps reported, not a formula of their own:
+    the fake reports the counting rule's P + t - 1 at step t (P = 9 here), and a run that
+    reports one more position on its last step moves every card by it."""
+    P, n = 9, 24
+    total = sum(P + t - 1 for t in range(1, n + 1))
+    honest = sim_events(replace(SETTINGS, tokens=n))
+    last = max(i for i, e in enumerate(honest) if _is(e, "uncached", n - 1))
+    one_more = [*honest]
+    one_more[last] = replace(honest[last], positions_computed=P + n)
+    for events, extra in ((honest, 0), (one_more, 1)):
+        app = build(1, n, events=events)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(app, pilot)
+            assert isinstance(app.screen, RecomputeScreen)
+            assert app.live.prompt_tokens == P
+            assert (card(app, "per-step"), card(app, "total"), card(app, "wasted")) == (
+                f"{P + n - 1 + extra}x",
+                f"{total + extra:,}",
+                f"{total - (P + n - 1):,}",
+            )
 
 
-async def test_lesson_mode_shows_the_lessons_numbers_measured():
-    """l: a one-token prompt and 24 tokens; the run's own counts are then 24x, 300, 276."""
+async def test_lesson_mode_runs_the_lessons_prompt_and_length():
+    """l restarts with a one-token prompt and 24 tokens; the positions that run reports (the
+    fake's are the counting rule's) are then the lesson's 24x, 300, 276, and screen 2's."""
     app = build(1, 32)
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
@@ -95,9 +101,11 @@ async def test_the_cached_stream_races_ahead_mid_run():
     compare only the steps both loops have made."""
     app = build(2, 32, lesson=True, hold_at=40)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.live.loop("uncached").steps > 0)
-        await wait_for(pilot, lambda: len(FakeEngine.instances[-1].sent) >= 40)
-        await pilot.pause()
+        engine = FakeEngine.instances[-1]
+        await wait_for(pilot, lambda: len(engine.sent) >= 40)
+        # sent is not yet shown: wait until the app has taken all 40 (the start and 39 steps)
+        loop = app.live.loop
+        await wait_for(pilot, lambda: loop("cached").steps + loop("uncached").steps == 39)
         app.screen.redraw_now()
         cached, uncached = app.live.loop("cached").steps, app.live.loop("uncached").steps
         assert cached > uncached > 0
@@ -170,16 +178,30 @@ async def test_the_chosen_length_is_what_r_runs():
 async def test_the_sim_engine_says_modelled_and_why():
     """Times from the roofline are labelled modelled, and the screen says why its speedup is
     what it is (llama-3.1-8b on an H100 turns compute-bound at about 295 positions)."""
-    events = [
-        replace(e, timing=MODELLED) if isinstance(e, RunStarted) else e
-        for e in sim_events(SETTINGS)
-    ]
+    events = sim_events(SETTINGS)
+    assert events[0].timing == MODELLED  # the fake says what the sim: engine says
     app = build(2, 32, events=events)
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
         text = screen_text(app)
         assert "MODELLED" in text and "MEASURED" not in text
         assert "about 295 positions" in text
+        assert app.screen.query_one("#measured", StatCard).note == "roofline"
+
+
+async def test_a_measured_run_says_measured_and_wall_time():
+    """The same run, reported as measured (a CPU engine's): the time card is MEASURED, wall
+    time, and the explanation is the measured one, not the roofline's."""
+    app = build(2, 32, measured=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.live.timing == "measured"
+        text = screen_text(app)
+        assert "MEASURED" in text and "MODELLED" not in text
+        assert "Measured is below the count" in " ".join(text.split())
+        assert "roofline" not in text
+        timed = app.screen.query_one("#measured", StatCard)
+        assert timed.border_title == "MEASURED" and timed.note == "wall time"
 
 
 async def test_screen3_turns_red_past_capacity_and_clears_below():
