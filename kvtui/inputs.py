@@ -21,7 +21,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
@@ -153,7 +153,7 @@ def argv_text(text: str) -> str:
 _NOT_A_BYTE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
 
-def read_lines(path: Path, limit: int, line_limit: int) -> Iterator[tuple[int, str]]:
+def read_lines(path: Path, limit: int, line_limit: int) -> Generator[tuple[int, str], None, None]:
     """(number, text) of each line of a regular UTF-8 file of at most `limit` bytes, whose lines
     are at most `line_limit` bytes; `InputError` naming the file (and the line) if not."""
     with open_regular(path) as f:

@@ -30,7 +30,7 @@ import functools
 import math
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
@@ -244,7 +244,7 @@ class RunFailed:
 
 Event = RunStarted | StepSample | RunFinished | RunFailed
 
-_KINDS: dict[str, type] = {
+_KINDS: dict[str, type[Event]] = {
     "started": RunStarted,
     "step": StepSample,
     "finished": RunFinished,
@@ -354,7 +354,7 @@ class StepSource(Protocol):
         """What runs, and where; sent before the first step."""
         ...
 
-    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
+    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
         """The steps of one loop; may end with its own `RunFinished` (out of memory, say)."""
         ...
 

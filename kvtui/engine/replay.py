@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -64,7 +64,7 @@ class RecordWriter:
         }
         self._write(line)
 
-    def _write(self, data: dict) -> None:
+    def _write(self, data: dict[str, Any]) -> None:
         self._out.write(json.dumps(data, separators=(",", ":")) + "\n")
         self._out.flush()
 
@@ -72,7 +72,7 @@ class RecordWriter:
         self._write(to_json(event))
 
 
-def read_record(path: Path) -> tuple[dict, list[Event]]:
+def read_record(path: Path) -> tuple[dict[str, Any], list[Event]]:
     """The header and events of a record; `EngineError` with one clear line if it is not one
     (see the module's docstring for what is checked)."""
     if not path.exists() and not path.is_symlink():
@@ -97,7 +97,7 @@ def read_record(path: Path) -> tuple[dict, list[Event]]:
     return header, events
 
 
-def _read_header(path: Path, line: str) -> dict:
+def _read_header(path: Path, line: str) -> dict[str, Any]:
     try:
         header: Any = parse_json(line)
     except ValueError:
@@ -180,7 +180,7 @@ class ReplayEngine:
     """Plays a record back through the engine protocol."""
 
     settings: RunSettings
-    header: dict
+    header: dict[str, Any]
     events: list[Event] = field(default_factory=list)
 
     @classmethod
@@ -194,7 +194,7 @@ class ReplayEngine:
     def started(self) -> RunStarted:
         return next(e for e in self.events if isinstance(e, RunStarted))
 
-    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
+    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
         for event in self.events:
             if isinstance(event, StepSample) and event.loop == loop:
                 if self.settings.replay_speed > 0:

@@ -24,7 +24,7 @@ that hold the model. `sim:MODEL@GPU` is N = 1, one GPU, with no exchanges.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from kvtui.engine.protocol import (
@@ -209,7 +209,7 @@ class SimEngine:
             ),
         )
 
-    def steps(self, loop: Loop) -> Iterator[StepSample | RunFinished]:
+    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
         m, P, pool = self.share, self.prompt_tokens, self.pool  # one GPU's part of the model
         B, wd, kd = self.settings.batch, self.weights_dtype, self.kv_dtype
         text = Utf8Stream()
