@@ -3,13 +3,17 @@
 The decode engine runs in a process of its own (`kvtui.engine.process.EngineProcess`, isolated
 from the caller's directory), so the UI process never imports torch and a busy UI cannot slow
 the steps it measures. A thread worker reads the engine's events and posts them back in batches,
-at most ~20 times a second; the app folds them into one `LiveRun` that every screen was given,
-and each screen redraws from it on its own throttled timer.
+at most RUN_UPDATES_PER_SECOND a second (the one throttle between the engine and the screen); the
+app folds them into its `LiveRun` and posts itself a `RunChanged`, which coalesces (a burst is
+handled once, the latest), and sets its `run` var to a read-only snapshot of the run. Each
+screen follows `run` with `data_bind` and redraws when it changes: no polling, and nothing a
+screen draws is written by it.
 
-State that two screens share has one owner, the App: the answer length (`length`), whether the
-cache is on (`cache_on`) and the catalog GPU the probe matched (`device_gpu`) are App reactives
-that the screens follow with `data_bind`; their keys call the App's actions that change them.
-Anything an engine or a file says is shown as text, never as markup.
+State that two screens share has one owner, the App: the run (`run`), the next run's length,
+batch and KV budget (`length`, `batch`, `kv_budget`, with the cap the running model sets,
+`longest_run`), whether the cache is on (`cache_on`) and the catalog GPU the probe matched
+(`device_gpu`) are App vars that the screens follow with `data_bind`; their keys call the App's
+actions that change them. Anything an engine or a file says is shown as text, never as markup.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from kvtui.engine.spec import parse_engine
 from kvtui.format import safe_text
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
-from kvtui.screens.live import LiveRun
+from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
 from kvtui.screens.memory import MemoryScreen, gpu_from_probe
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import model_names
@@ -50,8 +54,8 @@ LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 MODES = ("recompute", "cache", "memory")
 """The lesson's screens, in order: keys 1, 2 and 3."""
 
-POST_INTERVAL_S = 0.05
-"""The reader worker posts at most one batch of events per this many seconds (20 a second)."""
+POST_INTERVAL_S = 1 / RUN_UPDATES_PER_SECOND
+"""The reader worker posts at most one batch of events per this many seconds."""
 
 
 class EngineHandle(Protocol):
@@ -145,6 +149,12 @@ class KVApp(App[int]):
 
     # `var`, not `reactive`: the App draws none of these, and a reactive would repaint the whole
     # screen on every change (a key press), where the widgets that show them refresh themselves.
+    live_run: var[LiveRun] = var(LiveRun(RunSettings()).snapshot(), init=False)
+    """The run as the screens see it (their `run`): a read-only snapshot of `live`, replaced on
+    each change."""
+    longest_run: var[int] = var(MAX_LENGTH, init=False)
+    """The most tokens `r` may ask for: MAX_LENGTH, or fewer where the running model's positions
+    (prompt + answer) run out first; `length` is kept within it."""
     length: var[int] = var(256, init=False)
     """The answer length: `r` runs this many tokens (screens 1 and 2 show the run's own)."""
     cache_on: var[bool] = var(True, init=False)
@@ -188,13 +198,21 @@ class KVApp(App[int]):
 
         summary: dict[str, Any]
 
+    class RunChanged(Message, bubble=False):
+        """The live run changed; a burst of these is handled once, as the latest."""
+
+        def can_replace(self, message: Message) -> bool:
+            return isinstance(message, KVApp.RunChanged)
+
     def __init__(self, config: AppConfig, engine_factory: EngineFactory = engine_process) -> None:
         super().__init__()
         self.config = config
         self._engine_factory = engine_factory
         self.live = LiveRun(config.settings)
+        """The run as it folds: only the App writes it, and the screens read `run`, its copy."""
         self.engine: EngineHandle | None = None
         self._run_id = 0
+        self.set_reactive(KVApp.live_run, self.live.snapshot())
         self.set_reactive(KVApp.length, self.validate_length(config.settings.tokens))
         self.set_reactive(KVApp.kv_budget, config.settings.kv_budget_bytes)
         self.set_reactive(KVApp.batch, config.settings.batch)
@@ -205,10 +223,17 @@ class KVApp(App[int]):
 
     def on_mount(self) -> None:
         screens = {
-            "recompute": RecomputeScreen(self.live).data_bind(KVApp.length),
-            "cache": CacheScreen(self.live).data_bind(KVApp.length, KVApp.cache_on),
-            "memory": MemoryScreen(self.live).data_bind(
-                KVApp.device_gpu, KVApp.kv_budget, KVApp.length, batch_next=KVApp.batch
+            "recompute": RecomputeScreen(self.live_run).data_bind(KVApp.length, run=KVApp.live_run),
+            "cache": CacheScreen(self.live_run).data_bind(
+                KVApp.length, KVApp.cache_on, run=KVApp.live_run
+            ),
+            "memory": MemoryScreen(self.live_run).data_bind(
+                KVApp.device_gpu,
+                KVApp.device_gpu,
+                KVApp.kv_budget,
+                KVApp.length,
+                batch_next=KVApp.batch,
+                run=KVApp.live_run,
             ),
         }
         for mode, screen in screens.items():
@@ -238,15 +263,17 @@ class KVApp(App[int]):
     # --- the answer length and the cache toggle (screens 1 and 2 follow them) -----------------
 
     def validate_length(self, length: int) -> int:
-        return max(MIN_LENGTH, min(self.longest_run(), int(length)))
+        return max(MIN_LENGTH, min(self.longest_run, int(length)))
 
-    def longest_run(self) -> int:
-        """The most tokens a run may generate: MAX_LENGTH, or fewer where the running model's
-        positions (prompt + answer) run out first."""
-        started = self.live.started
-        if started is None or started.max_positions is None:
-            return MAX_LENGTH
-        return max(MIN_LENGTH, min(MAX_LENGTH, started.max_positions - started.prompt_tokens))
+    def watch_longest_run(self, longest: int) -> None:
+        self.length = min(self.length, longest)
+
+    def _run_changed(self) -> None:
+        """Tell the screens, soon and once for a burst: the handler snapshots the run."""
+        self.post_message(self.RunChanged())
+
+    def on_kvapp_run_changed(self, message: RunChanged) -> None:
+        self.live_run = self.live.snapshot()
 
     def action_longer(self) -> None:
         self.length += length_step(self.length)
@@ -281,6 +308,7 @@ class KVApp(App[int]):
 
     def _probed(self, summary: dict[str, Any]) -> None:
         self.live.set_probe(summary)
+        self._run_changed()
         self.device_gpu = gpu_from_probe(summary)
 
     # --- the engine --------------------------------------------------------------------------
@@ -292,6 +320,8 @@ class KVApp(App[int]):
         if settings is not None and settings.engine != self.live.settings.engine:
             self._default_pool = None  # another engine: its own default pool, once it has run
         self.live.reset(settings or self.live.settings)
+        self.longest_run = MAX_LENGTH  # until the new run's model says
+        self._run_changed()
         self.engine = self._engine_factory(self.live.settings)
         self._read_engine(self.engine, self._run_id)
 
@@ -366,6 +396,7 @@ class KVApp(App[int]):
         elif self.live.state == "paused":
             self.engine.resume()
             self.live.set_state("running")
+        self._run_changed()
 
     def _close_engine_soon(self) -> None:
         """Forget the current engine; its reader worker is cancelled and closes it."""
@@ -435,17 +466,17 @@ class KVApp(App[int]):
     def on_kvapp_engine_reported(self, message: EngineReported) -> None:
         if message.run_id != self._run_id:
             return
+        self._run_changed()
         for event in message.events:
             told = self.live.failure
             self.live.apply(event)
             if isinstance(event, RunStarted):
-                self.length = self.length  # capped now that the model's limit is known
+                self.longest_run = longest_run(event)
                 if self.live.settings.kv_budget_bytes is None:
                     self._default_pool = event.kv_capacity_bytes
             if isinstance(event, RunFinished) and event.message and event.message != told:
                 fix = {
-                    "error": f" r runs {self.length:,} tokens (at most {self.longest_run():,} "
-                    "fit).",
+                    "error": f" r runs {self.length:,} tokens (at most {self.longest_run:,} fit).",
                     "out_of_memory": " On screen 3, ] gives the next run a larger KV budget.",
                 }.get(event.reason, "")
                 self.notify(
@@ -469,6 +500,7 @@ class KVApp(App[int]):
             return
         if self.live.state in ("running", "paused", "starting"):
             self.live.apply(RunFailed("the engine exited before finishing"))
+            self._run_changed()
             self.notify(
                 "The engine exited before finishing. Press r to restart.",
                 title="Engine stopped",
@@ -480,10 +512,12 @@ class KVApp(App[int]):
         if event.state != WorkerState.ERROR or event.worker.group != "decode":
             if event.state == WorkerState.ERROR and event.worker.group == "probe":
                 self.live.set_probe({"description": "device unknown (the probe failed)"})
+                self._run_changed()
             return
         error = event.worker.error
         words = f"{type(error).__name__}: {error}" if error else "unknown error"
         self.live.apply(RunFailed(words))
+        self._run_changed()
         self.notify(
             f"The engine could not run: {safe_text(words)}. Press r to retry.",
             title="Engine failed",
@@ -491,6 +525,14 @@ class KVApp(App[int]):
             severity="error",
             timeout=8,
         )
+
+
+def longest_run(started: RunStarted) -> int:
+    """The most tokens a run of this model may generate: MAX_LENGTH, or fewer where its
+    positions (prompt + answer) run out first."""
+    if started.max_positions is None:
+        return MAX_LENGTH
+    return max(MIN_LENGTH, min(MAX_LENGTH, started.max_positions - started.prompt_tokens))
 
 
 def make_app(

@@ -1,4 +1,5 @@
-"""What every lesson screen shares: the header line, the too-small note and a throttled redraw."""
+"""What every lesson screen shares: the header line, the too-small note, and a redraw that follows
+the App's run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import Static
 
+from kvtui.engine.protocol import RunSettings
 from kvtui.format import format_count
 from kvtui.screens.live import LiveRun
 from kvtui.widgets.chart import Chart
@@ -20,9 +22,6 @@ from kvtui.widgets.header import RunHeader
 from kvtui.widgets.note import Note
 from kvtui.widgets.too_small import TooSmall, too_small
 
-REDRAWS_PER_SECOND = 10
-"""How often a screen may redraw from new engine data (the reader posts at most ~20 a second)."""
-
 HELD_AT_MOST_S = 0.3
 """Keys held down (auto-repeat) hold the run's redraws back at most this long (`hold_redraws`)."""
 
@@ -30,18 +29,22 @@ HELD_AT_MOST_S = 0.3
 class LessonScreen(Screen):
     """A screen of the lesson: header, title, body (from `compose_body`), footer.
 
-    Subclasses implement `compose_body` and `redraw`. `redraw` runs from a timer, at most
-    REDRAWS_PER_SECOND times a second, and only when the run changed or `mark_dirty` was called,
-    and only while this screen is the one shown: a paused app does no drawing at all. A key that
-    changes a line calls `hold_redraws`, so that its frame is not also the frame of a redraw.
+    Subclasses implement `compose_body` and `redraw`, and may follow the run in `follow_run`.
+    The screen follows the App's `run` (bound with `data_bind`): each new snapshot is followed,
+    then drawn, once, if this screen is the one shown (else when it is shown next), so the rate
+    of redraws is the rate the run changes at (kvtui.screens.live.RUN_UPDATES_PER_SECOND), and a
+    paused app draws nothing. `redraw` only reads: it changes no state. A key that changes a
+    line calls `hold_redraws`, so that its frame is not also the frame of a redraw.
     """
 
     TITLE_TEXT = ""
 
-    def __init__(self, live: LiveRun, *, name: str | None = None) -> None:
+    run: var[LiveRun] = var(LiveRun(RunSettings()).snapshot(), init=False)
+    """The App's run, read-only: what this screen draws."""
+
+    def __init__(self, run: LiveRun, *, name: str | None = None) -> None:
         super().__init__(name=name)
-        self.live = live
-        self._drawn_version = -1
+        self.set_reactive(LessonScreen.run, run)
         self._dirty = True
         self._held = False
         self._redrawn_at = 0.0
@@ -61,8 +64,17 @@ class LessonScreen(Screen):
 
     def on_mount(self) -> None:
         self.ready = True
-        self.set_interval(1 / REDRAWS_PER_SECOND, self._tick)
+        self.follow_run(self.run)
         self._check_size(self.app.size.width, self.app.size.height)
+
+    def watch_run(self, run: LiveRun) -> None:
+        self.follow_run(run)
+        self._dirty = True
+        if not self._held or time.monotonic() - self._redrawn_at >= HELD_AT_MOST_S:
+            self._redraw_if_changed()
+
+    def follow_run(self, run: LiveRun) -> None:
+        """Bring this screen's own state along with a new run (never drawing): a hook."""
 
     def on_screen_resume(self) -> None:
         self.redraw_now()
@@ -75,15 +87,19 @@ class LessonScreen(Screen):
         self.set_class(small, "-too-small")
         if small:
             self.query_one(TooSmall).show_size(width, height)
+        else:  # what was held back while too small
+            self._redraw_if_changed()
 
     def mark_dirty(self) -> None:
-        """Redraw at the next tick even if the run has not changed."""
+        """Redraw when next possible (now, if this screen is shown and not held back) even if
+        the run has not changed."""
         self._dirty = True
+        if not self._held:
+            self._redraw_if_changed()
 
     def redraw_now(self) -> None:
-        """Draw the run now rather than at the next tick (when this screen is shown), charts
-        included."""
-        self.mark_dirty()
+        """Draw the run now (when this screen is shown), charts included."""
+        self._dirty = True
         self._redraw_if_changed()
         for chart in self.query(Chart):
             chart.draw_now()
@@ -91,8 +107,8 @@ class LessonScreen(Screen):
     def hold_redraws(self) -> None:
         """Keep the run's redraws out of the next frame: a key changed a line, and that frame
         should cost the line, not the cards, streams and plots of a redraw (tens of ms on a small
-        CPU). Released once the frame is drawn; keys held down (auto-repeat) delay a redraw by
-        at most HELD_AT_MOST_S, so the run keeps moving."""
+        CPU). Released once the frame is drawn (then what was held back is drawn); keys held
+        down (auto-repeat) delay a redraw by at most HELD_AT_MOST_S, so the run keeps moving."""
         if self._held or not self.is_current:
             return
         self._held = True
@@ -104,34 +120,30 @@ class LessonScreen(Screen):
         self._held = False
         for chart in self.query(Chart):
             chart.release()
-
-    def _tick(self) -> None:
-        if not self._held or time.monotonic() - self._redrawn_at >= HELD_AT_MOST_S:
-            self._redraw_if_changed()
+        self._redraw_if_changed()
 
     def _redraw_if_changed(self) -> None:
-        if not self.is_current or self.has_class("-too-small"):
+        if not self.ready or not self.is_current or self.has_class("-too-small"):
             return
-        if not self._dirty and self._drawn_version == self.live.version:
+        if not self._dirty:
             return
         self._dirty = False
-        self._drawn_version = self.live.version
         self._redrawn_at = time.monotonic()
         self.query_one(RunHeader).show(
-            self.live.device_description,
-            self.live.settings.engine,
+            self.run.device_description,
+            self.run.settings.engine,
             self._model_words(),
-            self.live.state,
+            self.run.state,
             self._status_words(),
-            device_label=self.live.device_label,
+            device_label=self.run.device_label,
         )
         self.redraw()
 
     def _model_words(self) -> str:
-        started = self.live.started
+        started = self.run.started
         if started is None:
             return ""
-        parts = [] if started.model in self.live.settings.engine else [started.model]
+        parts = [] if started.model in self.run.settings.engine else [started.model]
         if not started.device.startswith("sim"):
             parts.append(started.device)
         parts.append(started.dtype)
@@ -140,8 +152,8 @@ class LessonScreen(Screen):
         return ", ".join(parts)
 
     def _status_words(self) -> str:
-        words = self.live.status_line()
-        if self.live.state in ("failed", "done", "stopped"):
+        words = self.run.status_line()
+        if self.run.state in ("failed", "done", "stopped"):
             words += " · r restarts"
         return words
 
@@ -190,11 +202,11 @@ class WorkScreen(LessonScreen):
 
     def pending(self) -> bool:
         """True when `r` would run another length than the live run's."""
-        return self.length != self.live.run_tokens
+        return self.length != self.run.run_tokens
 
     def run_note(self) -> str:
         """Which run the figures are, and what `r` would run, in a line."""
-        live = self.live
+        live = self.run
         words = []
         if live.settings.lesson:
             words.append("lesson mode: a 1-token prompt (l: the full prompt)")
@@ -212,4 +224,4 @@ class WorkScreen(LessonScreen):
             return
         note = self.query_one("#run-note", Note)
         note.show(self.run_note())
-        note.set_class(self.pending() or self.live.past_training() is not None, "-beyond")
+        note.set_class(self.pending() or self.run.past_training() is not None, "-beyond")

@@ -79,7 +79,7 @@ class CacheScreen(WorkScreen):
 
     def show_cards(self) -> None:
         """Work and time of both loops over the same steps: those both have run so far."""
-        live = self.live
+        live = self.run
         n = live.compared_steps()
         without, with_card = self.query_one("#without", StatCard), self.query_one("#with", StatCard)
         speedup, timed = self.query_one("#speedup", StatCard), self.query_one("#measured", StatCard)
@@ -104,8 +104,8 @@ class CacheScreen(WorkScreen):
         timed.note = "wall time" if live.timing == "measured" else "roofline"
 
     def redraw(self) -> None:
-        uncached, cached = self.live.loop("uncached"), self.live.loop("cached")
-        prompt = self.live.prompt_text
+        uncached, cached = self.run.loop("uncached"), self.run.loop("cached")
+        prompt = self.run.prompt_text
         self.query_one("#stream-uncached", TokenStream).show(
             uncached.text, uncached.last_text, uncached.steps, prompt=prompt
         )
@@ -121,8 +121,8 @@ class CacheScreen(WorkScreen):
 
     def _show_mark(self) -> None:
         mark = self.query_one("#same-mark", Note)
-        n = self.live.compared_steps()
-        diverged = self.live.first_divergence()
+        n = self.run.compared_steps()
+        diverged = self.run.first_divergence()
         mark.set_class(diverged is not None, "-diverged")
         mark.set_class(diverged is None and n > 0, "-identical")
         if diverged is not None:
@@ -133,9 +133,9 @@ class CacheScreen(WorkScreen):
             mark.show("… comparing the two streams")
 
     def _why(self) -> str:
-        if self.live.timing != "measured":
+        if self.run.timing != "measured":
             return self._why_modelled()
-        cached = self.live.loop("cached").step_seconds
+        cached = self.run.loop("cached").step_seconds
         lines = [
             "Measured is below the count: recomputing many positions in one pass costs less "
             "per position than a one-token step."
@@ -155,7 +155,7 @@ class CacheScreen(WorkScreen):
         """Why the roofline's speedup is what it is: an uncached step is memory-bound, as
         cheap as a cached one, until it recomputes enough positions to be compute-bound."""
         try:
-            spec = parse_engine(self.live.settings.engine)
+            spec = parse_engine(self.run.settings.engine)
             model, gpu = get_model(spec.model or ""), get_gpu(spec.gpu or "")
         except (EngineError, UnknownNameError):
             return "Times are modelled (roofline), not measured."
@@ -189,11 +189,11 @@ class CacheScreen(WorkScreen):
 
     def _draw(self, chart_id: str, plt: Plot, points: int, cumulative: bool) -> None:
         chart = self.query_one(f"#{chart_id}", Chart)
-        n = self.live.run_tokens
+        n = self.run.run_tokens
         top = 1
         loops = ("uncached", "cached") if self.cache_on else ("uncached",)
         for loop in loops:
-            xs, ys = self._series(self.live.loop(loop), points, cumulative)
+            xs, ys = self._series(self.run.loop(loop), points, cumulative)
             if xs:
                 plt.plot(xs, ys, color=chart.colour(loop), marker="braille")
                 top = max(top, max(ys))
@@ -209,7 +209,7 @@ class CacheScreen(WorkScreen):
         self._draw("per-step", plt, points, cumulative=False)
 
     def _draw_cumulative(self, plt: Plot, points: int) -> None:
-        uncached, cached = self.live.work_over(self.live.compared_steps())
+        uncached, cached = self.run.work_over(self.run.compared_steps())
         plt.title(
             f"Total: {format_int(uncached - cached)} positions saved so far"
             if self.cache_on and cached

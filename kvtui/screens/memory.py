@@ -148,8 +148,8 @@ class MemoryScreen(LessonScreen):
     batch_next: reactive[int] = reactive(1, init=False)
     """The batch the next run decodes (the App's `batch`, followed; `batch` is the what-if's)."""
 
-    def __init__(self, live: LiveRun, *, name: str | None = None) -> None:
-        super().__init__(live, name=name)
+    def __init__(self, run: LiveRun, *, name: str | None = None) -> None:
+        super().__init__(run, name=name)
         self._gpu_chosen = self._model_chosen = False
         self._followed = ""
         """The engine the what-if last followed."""
@@ -317,10 +317,11 @@ class MemoryScreen(LessonScreen):
 
     watch_batch_next = watch_kv_budget
 
-    def _follow_the_run(self) -> None:
+    def follow_run(self, run: LiveRun) -> None:
         """Start the what-if from the running model (and a `sim:` engine's GPU), unless the
-        presenter chose them by hand; once per run's engine."""
-        engine = self.live.settings.engine
+        presenter chose them by hand; once per run's engine. A watcher of the run, not part of
+        drawing."""
+        engine = run.settings.engine
         if engine == self._followed:
             return
         self._followed = engine
@@ -355,7 +356,6 @@ class MemoryScreen(LessonScreen):
         return " (an example GPU: none here)" if self.device_gpu is None else ""
 
     def redraw(self) -> None:
-        self._follow_the_run()
         self._show_live_pool()
         self.query_one("#live-line", Static).update(self._live_words())
         self.query_one("#memory-chart", Chart).draw(self._draw_memory)
@@ -367,12 +367,12 @@ class MemoryScreen(LessonScreen):
         tail, the free pool (and, on a GPU, the rest of the device), red once the pool ran out."""
         bar = self.query_one("#live-bar", VramBar)
         status = self.query_one("#live-status", Static)
-        started, live = self.live.started, self.live.pool()
+        started, live = self.run.started, self.run.pool()
         if started is None:
             bar.show(Bar((), 1), "LIVE: the running engine's memory, once it starts")
             status.update("")
             return
-        how = "measured" if self.live.timing == "measured" else "modelled"
+        how = "measured" if self.run.timing == "measured" else "modelled"
         where = safe_text(started.device.split(" (")[0], one_line=True)
         title = f"LIVE ({how}): {safe_text(started.model, one_line=True)} on {where}"
         if live is None:
@@ -405,7 +405,7 @@ class MemoryScreen(LessonScreen):
             )
             shown = Bar(parts, total, full=bool(live.full))
             capacity = f"{format_bytes(total)} of device memory"
-            nvml = (self.live.probe or {}).get("total_bytes")
+            nvml = (self.run.probe or {}).get("total_bytes")
             if started.device.startswith("cuda") and isinstance(nvml, int) and nvml > 0:
                 capacity += f" (torch; NVML {format_bytes(nvml)})"
         else:  # a CPU: the pool is the budget; the weights sit beside it
@@ -467,20 +467,20 @@ class MemoryScreen(LessonScreen):
     def _live_words(self) -> str:
         """The running engine, measured: KV held against the formula, device memory, achieved
         bandwidth against the peak, and FLOPs per byte (the lesson's last claim)."""
-        started = self.live.started
+        started = self.run.started
         if started is None:
             return "[dim]The running engine's memory appears here once it starts.[/dim]"
         threads = format_count(started.threads, "thread") if started.threads > 0 else ""
-        lines = [f"[b]Live[/b] ({self.live.timing}{', ' + threads if threads else ''}):"]
-        measured = self.live.kv_bytes_measured()
+        lines = [f"[b]Live[/b] ({self.run.timing}{', ' + threads if threads else ''}):"]
+        measured = self.run.kv_bytes_measured()
         if measured:
             held, formula = measured
             mark = "= formula" if held == formula else f"formula {format_bytes(formula)}"
             lines.append(f"KV held {format_bytes(held)} {mark}")
-        last = self.live.loop("cached").last
+        last = self.run.loop("cached").last
         if last and last.device_memory_bytes:
             lines.append(f"device memory in use {format_bytes(last.device_memory_bytes)}")
-        achieved = self.live.achieved_bandwidth()
+        achieved = self.run.achieved_bandwidth()
         if achieved:
             peak = started.peak_bandwidth_bytes_per_s
             if peak:
@@ -498,7 +498,7 @@ class MemoryScreen(LessonScreen):
                 lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
             else:
                 lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known for a CPU)")
-        trace, B = self.live.loop("cached"), self.live.batch
+        trace, B = self.run.loop("cached"), self.run.batch
         if trace.steps > 1 and trace.seconds_total > trace.seconds_cumulative[0] > 0:
             # prefill reads the prompt in one pass; decode writes one position per step
             first = trace.seconds_cumulative[0]

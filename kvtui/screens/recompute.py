@@ -72,7 +72,7 @@ class RecomputeScreen(WorkScreen):
 
     def show_cards(self) -> None:
         """The uncached loop's figures so far, as the engine counted them."""
-        trace = self.live.loop("uncached")
+        trace = self.run.loop("uncached")
         per_step, total, wasted = (
             self.query_one(f"#{i}", StatCard) for i in ("per-step", "total", "wasted")
         )
@@ -91,13 +91,13 @@ class RecomputeScreen(WorkScreen):
             wasted.note = f"{format_percent(redone / done)} redone"
             wasted.set_class(redone > 0, "-bad")
         length = self.query_one("#length", StatCard)
-        length.value = format_int(self.live.run_tokens)
+        length.value = format_int(self.run.run_tokens)
         length.note = f"tokens, {trace.steps:,} done"
 
     def redraw(self) -> None:
-        trace = self.live.loop("uncached")
+        trace = self.run.loop("uncached")
         self.query_one(TokenStream).show(
-            trace.text, trace.last_text, trace.steps, prompt=self.live.prompt_text
+            trace.text, trace.last_text, trace.steps, prompt=self.run.prompt_text
         )
         self.show_cards()
         self.show_run_note()
@@ -108,7 +108,7 @@ class RecomputeScreen(WorkScreen):
         come (dotted), and the measured time per step, smoothed, on the right axis, scaled so
         that one position is the run's median time per position."""
         chart = self.query_one("#staircase", Chart)
-        live, trace = self.live, self.live.loop("uncached")
+        live, trace = self.run, self.run.loop("uncached")
         n, P = live.run_tokens, max(1, live.prompt_tokens)
         top = naive_step_positions(n, P)
         stairs = n <= points // 4  # few enough steps to draw each one flat
@@ -132,7 +132,7 @@ class RecomputeScreen(WorkScreen):
 
     def _draw_time(self, plt: Plot, points: int, top_positions: int) -> None:
         chart = self.query_one("#staircase", Chart)
-        trace = self.live.loop("uncached")
+        trace = self.run.loop("uncached")
         measured, counted = trace.step_seconds, trace.positions
         if not measured.steps:
             return

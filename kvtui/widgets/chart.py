@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 
@@ -19,7 +18,6 @@ from rich.style import Style
 from rich.text import Span, Text
 from textual.app import RenderResult
 from textual.color import Color
-from textual.timer import Timer
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 from textual_plotext.plot import Plot
@@ -128,9 +126,6 @@ def step_line(xs: Sequence[int], ys: Sequence[float]) -> tuple[list[float], list
     return sx, sy
 
 
-CHART_REDRAWS_PER_SECOND = 4
-"""How often a chart may replot (the cards and streams redraw more often)."""
-
 GLYPHS = {"formula": "•", "marker": "│"}
 """How a series shows in a legend, where not as a line ("━")."""
 
@@ -223,8 +218,8 @@ class Chart(PlotextPlot):
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
         self._draw: Callable[[Plot, int], None] | None = None
-        self._drawn_at = -math.inf
-        self._pending: Timer | None = None
+        self._pending = False
+        """A `draw` came while held: replotted on `release`."""
         self._held = False
 
     def colour(self, series: str) -> RGB:
@@ -246,14 +241,12 @@ class Chart(PlotextPlot):
     def draw(self, draw: Callable[[Plot, int], None]) -> None:
         """Replace the chart's contents with what `draw` plots, and refresh this widget only.
 
-        At most CHART_REDRAWS_PER_SECOND times a second: a plot is the dearest part of a frame,
-        and a key pressed while one is drawn waits for it. A call that comes sooner is drawn
-        when the interval is up (the latest `draw` wins), so the last state is never lost."""
+        Called as often as the screen redraws (at most as often as the run changes: the one
+        throttle is where the engine's events enter the app); while held, the latest `draw` waits
+        for `release`, so the last state is never lost."""
         self._draw = draw
-        wait = self._drawn_at + 1 / CHART_REDRAWS_PER_SECOND - time.monotonic()
-        if wait > 0 or self._held:
-            if self._pending is None:
-                self._pending = self.set_timer(max(0.0, wait), self._draw_pending, pause=self._held)
+        if self._held:
+            self._pending = True
             return
         self._replot()
 
@@ -261,30 +254,21 @@ class Chart(PlotextPlot):
         """Replot nothing until `release` (a screen keeps a key's frame to itself); `draw_now`
         still replots."""
         self._held = True
-        if self._pending is not None:
-            self._pending.pause()
 
     def release(self) -> None:
-        """Replot what was held back, when its interval is up."""
+        """Replot what was held back."""
         self._held = False
-        if self._pending is not None:
-            self._pending.resume()
-
-    def _draw_pending(self) -> None:
-        self._pending = None
-        self._replot()
+        if self._pending:
+            self._replot()
 
     def draw_now(self) -> None:
-        """Replot now, whatever the interval (a screen shown, a test reading it)."""
-        if self._pending is not None:
-            self._pending.stop()
-            self._pending = None
+        """Replot now, held or not (a screen shown, a test reading it)."""
         self._replot()
 
     def _replot(self) -> None:
+        self._pending = False
         if self._draw is None:
             return
-        self._drawn_at = time.monotonic()
         self.plt.clear_data()
         self.plt.clear_figure()
         self._draw(self.plt, self.points)
