@@ -43,9 +43,9 @@ from kvtui.format import safe_text
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
-from kvtui.screens.memory import MemoryScreen, gpu_from_probe
+from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.recompute import RecomputeScreen
-from kvtui.sim.catalog import model_names
+from kvtui.sim.catalog import gpu_from_probe, model_names
 from kvtui.sim.memory import step_budget
 
 LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)

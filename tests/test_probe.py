@@ -351,3 +351,9 @@ def test_real_gpu_reads_name_total_and_this_process_share() -> None:
     assert reading.process_allocated_bytes >= block.numel()
     if reading.peak_bandwidth_bytes_per_s is not None:
         assert 1e11 < reading.peak_bandwidth_bytes_per_s < 2e13
+
+
+def test_a_null_probe_on_a_machine_that_shows_a_gpu_does_not_say_no_gpu() -> None:
+    """NVML missing or refused where a driver's device node is there: the header says GPU."""
+    assert NullProbe("NVML library not found", gpu_seen=True).label() == "GPU, NVML unavailable"
+    assert NullProbe("NVML library not found", gpu_seen=False).label() == "CPU, no GPU"

@@ -11,8 +11,6 @@ torch only for the torch engines (kvtui.engine.torch_engine, kvtui.engine.hf), n
 
 from __future__ import annotations
 
-import glob
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from kvtui.engine.protocol import (
     RunSettings,
     StepSource,
 )
+from kvtui.gpu.probe import cuda_visible
 from kvtui.paths import TINY_NAME
 
 EngineKind = Literal["tiny", "shape", "sim", "replay", "hf"]
@@ -152,18 +151,6 @@ def check_engine(settings: RunSettings) -> None:
 TINY_POSITIONS = 4096
 """The tiny model's positions when its file is missing (kvtui.gpu.model.ModelArgs' default)."""
 _CUDA_DEVICE = re.compile(r"cuda(:\d+)?")
-
-
-def cuda_visible() -> bool:
-    """Whether this machine shows a CUDA (or ROCm) device, without importing torch: a device
-    node of the NVIDIA driver (`/dev/nvidia0`; Jetson's `/dev/nvhost-*`), WSL's GPU (`/dev/dxg`)
-    or ROCm's (`/dev/kfd`), not hidden by CUDA_VISIBLE_DEVICES. torch may still see none; the
-    engine then says so."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return False
-    nodes = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/nvhost-*")
-    return bool(nodes) or any(os.path.exists(node) for node in ("/dev/dxg", "/dev/kfd"))
 
 
 def prompt_positions(settings: RunSettings) -> int:

@@ -1,6 +1,8 @@
 """Device memory probes: what a GPU holds and how fast it can read it, without a UI.
 
-`open_probe()` is the one edge where "is there a GPU at all?" is decided. It never raises just
+This module is where "is there a GPU at all?" is decided: `cuda_visible()` answers it without
+torch or NVML (the CLI's check before an app opens: a device node of the driver), and
+`open_probe()` answers it through NVML. It never raises just
 because there is no GPU: it returns an `NvmlProbe` when NVML initialises and the device exists,
 otherwise a `NullProbe` whose `why` says, in words, what is missing (nvidia-ml-py not installed,
 the NVML library not found, the driver not loaded, no device at that index). After that, every
@@ -19,6 +21,7 @@ CUDA_DEVICE_ORDER=FASTEST_FIRST can still differ from NVML's PCI order on mixed 
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 from dataclasses import asdict, dataclass
@@ -133,16 +136,19 @@ class _ClosesOnExit:
 
 
 class NullProbe(_ClosesOnExit):
-    """No usable GPU: every reading is unknown, for the reason given."""
+    """No GPU NVML can read: every reading is unknown, for the reason given. Where the machine
+    shows a GPU all the same (`cuda_visible`: a driver's device node), it says so rather than
+    "no GPU"."""
 
-    def __init__(self, why: str) -> None:
+    def __init__(self, why: str, *, gpu_seen: bool | None = None) -> None:
         self.why = why
+        self.gpu_seen = cuda_visible() if gpu_seen is None else gpu_seen
 
     def read(self) -> DeviceMemory:
         return DeviceMemory(why=self.why)
 
     def label(self) -> str:
-        return "CPU, no GPU"
+        return "GPU, NVML unavailable" if self.gpu_seen else "CPU, no GPU"
 
     def describe(self) -> str:
         return f"{self.label()}: {self.why}"
@@ -274,6 +280,18 @@ def peak_bandwidth_bytes_per_s(memory_clock_mhz: float, memory_bus_bits: int) ->
     ceiling: decode kernels reach perhaps 70-90% of it.
     """
     return memory_clock_mhz * 1e6 * 2 * memory_bus_bits / 8
+
+
+def cuda_visible() -> bool:
+    """Whether this machine shows a CUDA (or ROCm) device, without importing torch: a device
+    node of the NVIDIA driver (`/dev/nvidia0`; Jetson's `/dev/nvhost-*`), WSL's GPU (`/dev/dxg`)
+    or ROCm's (`/dev/kfd`), not hidden by CUDA_VISIBLE_DEVICES. torch may still see none; the
+    engine then says so."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    nodes = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/nvhost-*")
+    return bool(nodes) or any(os.path.exists(node) for node in ("/dev/dxg", "/dev/kfd"))
 
 
 def open_probe(device_index: int = 0, *, nvml: Any = None) -> DeviceProbe:

@@ -42,7 +42,6 @@ from kvtui.sim.catalog import (
     get_gpu,
     get_model,
     gpu_names,
-    match_gpu,
     model_from_hf_config,
     model_names,
 )
@@ -62,13 +61,6 @@ def fine_step(context: int) -> int:
     if context < 128_000:
         return 4_000
     return 16_000
-
-
-def gpu_from_probe(probe: dict | None) -> str | None:
-    """The catalog GPU the probe found (`match_gpu`: by name and memory); None if it is none."""
-    probe = probe or {}
-    gpu = match_gpu(str(probe.get("name") or ""), probe.get("total_bytes") or None)
-    return gpu.name if gpu else None
 
 
 def capacity_ticks(top: float, capacity: float, rows: int) -> tuple[list[float], list[str]]:

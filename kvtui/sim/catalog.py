@@ -386,6 +386,14 @@ def match_gpu(name: str, total_bytes: int | None) -> GPUSpec | None:
     return min(best, key=lambda gpu: abs(gpu.memory_bytes - total_bytes))
 
 
+def gpu_from_probe(probe: dict[str, Any] | None) -> str | None:
+    """The catalog GPU a device probe's summary found (kvtui.gpu.probe.probe_summary: its
+    `name` and `total_bytes`, by `match_gpu`), by name; None if it is none."""
+    probe = probe or {}
+    gpu = match_gpu(str(probe.get("name") or ""), probe.get("total_bytes") or None)
+    return gpu.name if gpu else None
+
+
 # --- a user's own config.json --------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ from fakes import FakeEngine
 from test_screens import settle
 
 from kvtui.app import make_app
-from kvtui.screens.memory import gpu_from_probe
+from kvtui.sim.catalog import gpu_from_probe
 
 MIB = 2**20
 
