@@ -141,6 +141,13 @@ class Caption(Static):
     def on_mount(self) -> None:
         self.watch(self.app, "theme", self._theme_changed, init=True)
 
+    def show(self, template: str) -> None:
+        """Show another legend (the same series, other words), if it is another."""
+        if template != self.template:
+            self.template = template
+            if self.is_mounted:
+                self._fill()
+
     def _theme_changed(self, _theme: str) -> None:
         self._fill()
         self.call_after_refresh(self._fill)  # once the theme's variables are the new ones
