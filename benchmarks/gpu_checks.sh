@@ -12,8 +12,11 @@
 #    pool (the GPU's share, --gpu-memory-utilization 0.9) as the engine sized it; then a batch
 #    sweep, --batch 1,4,16,64 on shape:llama-3.1-8b: tokens/s and achieved bandwidth per batch;
 # 4. a summary: tokens/s, identical ids, the pool, KV bytes allocated and filled against the
-#    formula, how the cached loop ended, and the memory bandwidth a cached step achieves
-#    (weights + KV bytes read / step time) against the GPU's peak from NVML.
+#    formula, how the cached loop ended, the memory bandwidth a cached step achieves
+#    (weights + KV bytes read / step time) against the GPU's peak from NVML, and each loop's
+#    FLOPs as torch's FlopCounterMode counted them on the sampled steps against the formula's
+#    (on CUDA the attention kernels are flash or memory-efficient SDPA: kvtui.gpu.counting's
+#    formulas for them are exercised here first).
 #
 # DEVICE, ENGINES and TOKENS override the defaults (DEVICE=cpu ENGINES=tiny TOKENS=32 tries the
 # script itself on a CPU). The script goes on past a failed check; its exit status says whether
@@ -109,5 +112,15 @@ for engine in sys.argv[2:]:
         f"cached loop {ended.get('reason')} after {ended.get('steps')} tokens "
         f"{ended.get('message', '')}; cached step reads {(achieved or 0) / 1e9:.1f} GB/s{share}"
     )
+    for loop in ("cached", "uncached"):
+        counted, formula = r[loop].get("flops_counted"), r[loop].get("flops_formula")
+        if counted is None:
+            print(f"  {loop}: no FLOPs counted")
+        else:
+            ratio = counted / formula if formula else float("nan")
+            print(
+                f"  {loop}: FLOPs counted {counted:,} over {r[loop]['flops_sampled_steps']} "
+                f"sampled steps, formula {formula:,} ({ratio:.4f}x)"
+            )
 EOF
 exit $failed

@@ -43,6 +43,14 @@ LAYERS = {
         "import kvtui.app, kvtui.screens.help, kvtui.screens.quiz, kvtui.widgets.vram",
         {"torch"},
     ),
+    "the headless test kit, running a sim: engine in its own process": (
+        "import kvtui.testing\n"
+        "from kvtui.engine.protocol import RunSettings\n"
+        "engine = kvtui.testing.ScriptedEngine.from_settings("
+        "RunSettings(engine='sim:llama-3.1-8b@h100', tokens=8, lesson=True))\n"
+        "engine.start(); assert len(list(engine.events())) == 1 + 2 * 8 + 2",
+        {"torch", "transformers"},
+    ),
 }
 
 

@@ -463,7 +463,7 @@ class MemoryScreen(LessonScreen):
         if started is None:
             return "[dim]The running engine's memory appears here once it starts.[/dim]"
         threads = format_count(started.threads, "thread") if started.threads > 0 else ""
-        lines = [f"[b]Live[/b] ({self.run.timing}{', ' + threads if threads else ''}):"]
+        lines = [f"[b]Live[/b] ({escape(self.run.timing)}{', ' + threads if threads else ''}):"]
         measured = self.run.kv_bytes_measured()
         if measured:
             held, formula = measured

@@ -1,9 +1,8 @@
-"""A fake engine for screen tests: the EngineProcess contract, events from a list, no process."""
+"""Screen-test fixtures: synthetic runs from kvtui.sim's formulas, and `FakeEngine`, a
+`kvtui.testing.ScriptedEngine` that plays them and remembers every instance."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
 from dataclasses import replace
 
 from kvtui.engine.protocol import (
@@ -23,6 +22,7 @@ from kvtui.sim.work import (
     naive_step_positions,
     uncached_step_flops,
 )
+from kvtui.testing import ScriptedEngine
 
 WORDS = [
     "It",
@@ -152,9 +152,10 @@ def measured_events(settings: RunSettings) -> list[Event]:
     ]
 
 
-class FakeEngine:
-    """Yields a list of events (by default `sim_events` of its settings, `measured_events` with
-    `measured`); can hold before a step (`hold_at`) until closed, like a slow run."""
+class FakeEngine(ScriptedEngine):
+    """`kvtui.testing.ScriptedEngine` over `sim_events` of its settings (`measured_events` with
+    `measured`), or over `events`; every one made is kept in `FakeEngine.instances` (cleared
+    before each screen test), so a test can reach the engine the app started."""
 
     instances: list[FakeEngine] = []
 
@@ -166,50 +167,7 @@ class FakeEngine:
         fail_start: Exception | None = None,
         measured: bool = False,
     ) -> None:
-        self.settings = settings
         if events is None:
             events = measured_events(settings) if measured else sim_events(settings)
-        self._events = events
-        self._hold_at = hold_at
-        self._fail_start = fail_start
-        self._closed = threading.Event()
-        self._resumed = threading.Event()
-        self._resumed.set()
-        self.started = False
-        self.paused_calls = 0
-        self.sent: list[Event] = []
-        """The events handed to the app so far."""
+        super().__init__(events, settings=settings, hold_at=hold_at, fail_start=fail_start)
         FakeEngine.instances.append(self)
-
-    def start(self) -> None:
-        if self._fail_start is not None:
-            raise self._fail_start
-        self.started = True
-
-    def events(self) -> Iterator[Event]:
-        for i, event in enumerate(self._events):
-            if self._hold_at is not None and i >= self._hold_at:
-                self._closed.wait()
-            self._resumed.wait()
-            if self._closed.is_set():
-                return
-            self.sent.append(event)
-            yield event
-
-    def pause(self) -> None:
-        self.paused_calls += 1
-        self._resumed.clear()
-
-    def resume(self) -> None:
-        self._resumed.set()
-
-    def stop(self) -> None:
-        self._closed.set()
-
-    def close(self, timeout: float = 1.0) -> None:
-        self._closed.set()
-        self._resumed.set()
-
-    @property
-    def alive(self) -> bool:
-        return self.started and not self._closed.is_set()
