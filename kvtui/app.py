@@ -46,7 +46,7 @@ from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import gpu_from_probe, model_names
-from kvtui.sim.memory import step_budget
+from kvtui.sim.pool import step_budget
 
 LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 """The batches screen 3's n steps through (`--batch` takes any up to 256)."""
@@ -351,7 +351,7 @@ class KVApp(App[int]):
     def action_budget(self, direction: int) -> None:
         """Screen 3's budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
         engine's default (0); `r` runs it. Budgets are powers of two of bytes (see
-        `kvtui.sim.memory.step_budget`)."""
+        `kvtui.sim.pool.step_budget`)."""
         live = self.live.pool()
         if live is None:
             self.notify(

@@ -20,15 +20,12 @@ from kvtui.format import (
     parse_bytes,
 )
 from kvtui.inputs import argv_text
-from kvtui.sim.catalog import (
-    MAX_SIZE,
-    UnknownNameError,
-    normalize_dtype,
-)
+from kvtui.sim.catalog import UnknownNameError, normalize_dtype
+from kvtui.sim.hf_config import MAX_SIZE
 
 MAX_CONTEXT = MAX_SIZE
 """The longest context `work` and `budget` take: 16,777,216 tokens, as long as a config may state
-(kvtui.sim.catalog.MAX_SIZE); past Llama 4 Scout's 10M, the longest published."""
+(kvtui.sim.hf_config.MAX_SIZE); past Llama 4 Scout's 10M, the longest published."""
 MAX_BATCH = 65_536
 """The largest `budget --batch`: far past any one GPU's serving batch (vLLM's default is 256),
 and with MAX_CONTEXT it keeps every figure of a budget an exact integer a float can hold."""
@@ -266,7 +263,7 @@ def add_run_options(group: Any, *, app: bool) -> None:
         help="replay:/sim: pace, 1 = recorded or roofline time, 0 = as fast as possible "
         f"(else {low:g} to {high:g})",
     )
-    from kvtui.sim.memory import (
+    from kvtui.sim.pool import (
         CPU_KV_BUDGET_BYTES,
         DEFAULT_BLOCK_SIZE,
         DEFAULT_GPU_MEMORY_UTILIZATION,

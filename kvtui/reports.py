@@ -20,15 +20,10 @@ from kvtui.format import (
     safe_text,
 )
 from kvtui.options import MAX_BATCH, MAX_CONTEXT, UsageError, dtype_arg, int_in, utilization
-from kvtui.sim.catalog import (
-    dtype_names,
-    get_gpu,
-    get_model,
-    gpu_names,
-    model_from_hf_config,
-    model_names,
-)
-from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, budget, kv_bytes_per_token
+from kvtui.sim.budget import budget
+from kvtui.sim.catalog import dtype_names, get_gpu, get_model, gpu_names, model_names
+from kvtui.sim.hf_config import model_from_hf_config
+from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes_per_token
 from kvtui.sim.work import cached_step_positions, work_summary
 
 # --- output helpers ------------------------------------------------------------------------------
@@ -91,7 +86,8 @@ def cmd_work(args: argparse.Namespace) -> int:
 def cmd_budget(args: argparse.Namespace) -> int:
     """`kvtui budget`: weights + KV cache + runtime reserve against one GPU (each of `--tp` GPUs
     the model is split over), and the KV cache a vLLM-style server would size on it."""
-    from kvtui.sim.memory import kv_capacity, kv_head_copies, tensor_parallel_problem
+    from kvtui.sim.parallel import kv_head_copies, tensor_parallel_problem
+    from kvtui.sim.pool import kv_capacity
 
     spec = model_from_hf_config(args.config) if args.config else get_model(args.model)
     gpu = get_gpu(args.gpu)
@@ -298,11 +294,8 @@ def add_budget(subparsers: Any) -> None:
     dtypes = ", ".join(dtype_names())
     p.add_argument("--kv-dtype", type=dtype_arg, default="bf16", help=f"KV cache: {dtypes}")
     p.add_argument("--weights-dtype", type=dtype_arg, default="bf16", help=f"weights: {dtypes}")
-    from kvtui.sim.memory import (
-        DEFAULT_BLOCK_SIZE,
-        DEFAULT_GPU_MEMORY_UTILIZATION,
-        MAX_TENSOR_PARALLEL,
-    )
+    from kvtui.sim.parallel import MAX_TENSOR_PARALLEL
+    from kvtui.sim.pool import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION
 
     p.add_argument(
         "--tp",

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvtui.engine.replay as replay_module
-import kvtui.sim.catalog as catalog_module
+import kvtui.sim.hf_config as hf_config_module
 from kvtui.cli import main
 from kvtui.engine.protocol import RunSettings, run_events, to_json
 from kvtui.engine.replay import FORMAT, VERSION
@@ -262,7 +262,7 @@ def test_configs_that_are_not_regular_files_or_too_big(tmp_path, capsys, monkeyp
     assert "a device" in refused(capsys, "budget", "--config", "/dev/zero", *args)
     big = tmp_path / "big.json"
     big.write_text(json.dumps({**LLAMA, "padding": "x" * 2000}))
-    monkeypatch.setattr(catalog_module, "CONFIG_LIMIT", 1000)
+    monkeypatch.setattr(hf_config_module, "CONFIG_LIMIT", 1000)
     assert "larger than" in refused(capsys, "budget", "--config", str(big), *args)
 
 

@@ -25,7 +25,8 @@ print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & {forbidden!r}
 
 LAYERS = {
     "the maths and the CLI": (
-        "import kvtui.sim.work, kvtui.sim.memory, kvtui.sim.catalog, kvtui.format, kvtui.cli\n"
+        "import kvtui.sim.work, kvtui.sim.memory, kvtui.sim.budget, kvtui.sim.pool\n"
+        "import kvtui.sim.parallel, kvtui.sim.catalog, kvtui.format, kvtui.cli\n"
         "kvtui.sim.catalog.get_model('gpt2'); kvtui.sim.catalog.get_gpu('h100')",
         {"torch", "textual", "pynvml"},
     ),

@@ -38,7 +38,8 @@ from kvtui.engine.torch_engine import TorchEngine
 from kvtui.format import format_bytes
 from kvtui.gpu.counting import PositionCounter, count_flops
 from kvtui.gpu.device import available_bytes, default_dtype, dtype_name, pick_device
-from kvtui.sim.catalog import ConfigError, ModelSpec, model_from_hf_config
+from kvtui.sim.catalog import ConfigError, ModelSpec
+from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
 
 NO_EXTRA = "--model needs the hf extra: pip install 'kvtui[hf]'"

@@ -36,7 +36,7 @@ from torch import Tensor
 from kvtui.gpu.counting import PositionCounter, count_flops
 from kvtui.gpu.device import synchronize
 from kvtui.gpu.model import Transformer
-from kvtui.sim.memory import DEFAULT_BLOCK_SIZE
+from kvtui.sim.pool import DEFAULT_BLOCK_SIZE
 from kvtui.text import encode_bytes
 
 

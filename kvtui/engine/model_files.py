@@ -26,7 +26,8 @@ def check_positions(label: str, prompt: int, tokens: int, limit: int) -> None:
 def read_model_config(directory: Path) -> dict[str, Any]:
     """The config.json of a model folder as a JSON object (bounded, a regular file);
     `EngineError` when the folder or its config is missing or not one."""
-    from kvtui.sim.catalog import ConfigError, read_hf_config
+    from kvtui.sim.catalog import ConfigError
+    from kvtui.sim.hf_config import read_hf_config
 
     if not directory.exists():
         raise EngineError(f"model directory {directory} does not exist")

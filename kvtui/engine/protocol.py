@@ -42,7 +42,7 @@ DEFAULT_PROMPT = "It is a truth universally acknowledged, that"
 MAX_RUN_BATCH = 256
 """The most sequences one run decodes together: vLLM's default `max_num_seqs`, the most sequences
 its scheduler puts in one step. A bound, not a promise that they fit: the cached loop stops where
-the KV pool runs out (kvtui.sim.memory.KVPool.tokens_before_full), and a batch's activations grow
+the KV pool runs out (kvtui.sim.pool.KVPool.tokens_before_full), and a batch's activations grow
 with it. Row r's seed, `seed + r`, stays within torch's 64-bit seeds for any seed up to 2^63 - 1."""
 
 MAX_TOKENS = 2**18
@@ -82,7 +82,7 @@ class RunSettings:
     lesson's (24 tokens: 300 positions without a cache, 24 with it)."""
     kv_budget_bytes: int | None = None
     """The KV pool's capacity (`--kv-budget`); None: the engine's default (on a GPU, its share
-    of the device as `gpu_memory_utilization` says; on a CPU, kvtui.sim.memory's
+    of the device as `gpu_memory_utilization` says; on a CPU, kvtui.sim.pool's
     CPU_KV_BUDGET_BYTES; for `sim:`, the modelled GPU's share)."""
     kv_block_tokens: int = 16
     """Token slots per block of the KV pool (`--kv-block`; vLLM's default block size)."""
@@ -157,7 +157,7 @@ class RunStarted:
     prompt_text: str = ""
     """The prompt as text, for showing before the generated text (dimmed)."""
     kv_capacity_bytes: int | None = None
-    """The KV pool's capacity (kvtui.sim.memory.KVPool), or None where the engine keeps a cache
+    """The KV pool's capacity (kvtui.sim.pool.KVPool), or None where the engine keeps a cache
     of its own with no pool (`hf:`: transformers' StaticCache, sized for the run)."""
     kv_block_tokens: int | None = None
     """Token slots per block of the pool."""

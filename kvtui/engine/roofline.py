@@ -2,7 +2,7 @@
 
 `sim:MODEL@GPU` runs a catalog model on a catalog GPU on paper: each step's positions, FLOPs and
 bytes come from kvtui.sim.work, its time is the roofline's (the slower of compute and memory at
-peak), and the KV cache takes blocks from a modelled pool (kvtui.sim.memory.KVPool: `--kv-budget`,
+peak), and the KV cache takes blocks from a modelled pool (kvtui.sim.pool.KVPool: `--kv-budget`,
 or what vLLM's rule leaves of the GPU) until none is left, where the cached loop stops "out of
 memory" at the token the pool predicts, as a real one would. The tokens are a fixed passage of
 Austen (the same for both loops: a cache changes the work, never the answer). For laptops, demos
@@ -14,7 +14,7 @@ functions with their `batch`), and the pool gives each sequence floor(blocks / B
 cached loop stops at `KVPool.tokens_before_full(P, B)`.
 
 `sim:MODEL@NxGPU` splits the model over N of the GPU by tensor parallelism: every figure is then
-one GPU's (kvtui.sim.memory.shard: its query heads, its KV heads, each kept whole even when there
+one GPU's (kvtui.sim.parallel.shard: its query heads, its KV heads, each kept whole even when there
 are fewer than GPUs, and its share of the weights), and a step also waits for the GPUs' exchanges,
 two all-reduces per layer over the GPU-to-GPU link (kvtui.sim.work.tensor_parallel_step_seconds).
 A split that vLLM cannot make, or whose share does not fit, is refused, naming the fewest GPUs
@@ -38,17 +38,9 @@ from kvtui.engine.protocol import (
 from kvtui.engine.replay import MAX_STEP_SECONDS
 from kvtui.format import format_bytes
 from kvtui.sim.catalog import GPUSpec, ModelSpec, UnknownNameError, get_gpu, get_model
-from kvtui.sim.memory import (
-    RUNTIME_RESERVE_BYTES,
-    KVPool,
-    kv_bytes,
-    kv_bytes_per_token,
-    kv_capacity,
-    shard,
-    tensor_parallel_problem,
-    tensor_parallel_sizes,
-    weights_bytes,
-)
+from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, kv_bytes_per_token, weights_bytes
+from kvtui.sim.parallel import shard, tensor_parallel_problem, tensor_parallel_sizes
+from kvtui.sim.pool import KVPool, kv_capacity
 from kvtui.sim.work import step_cost, tensor_parallel_step_seconds
 from kvtui.text import Utf8Stream, encode_bytes
 
@@ -77,7 +69,7 @@ class SimEngine:
     """One GPU's part of the model (the model itself on one GPU)."""
     pool: KVPool = field(init=False)
     """The KV pool of one GPU, modelled: `--kv-budget`, or what vLLM's rule leaves
-    (kvtui.sim.memory.kv_capacity: memory x utilization - weights - the runtime reserve)."""
+    (kvtui.sim.pool.kv_capacity: memory x utilization - weights - the runtime reserve)."""
     pool_source: str = field(init=False)
     room_bytes: int = field(init=False)
     """What vLLM's rule leaves each GPU for a KV cache (negative when the weights take more)."""
@@ -99,7 +91,7 @@ class SimEngine:
 
     def _room(self, gpus: int) -> int:
         """What vLLM's rule leaves each of `gpus` GPUs for its KV cache
-        (kvtui.sim.memory.kv_capacity); negative when the weights take more."""
+        (kvtui.sim.pool.kv_capacity); negative when the weights take more."""
         s = self.settings
         return kv_capacity(
             self.model,

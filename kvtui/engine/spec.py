@@ -80,7 +80,7 @@ _GPU_COUNT = re.compile(r"(\d+)\s*[x×]\s*(.+)", re.IGNORECASE)
 
 def _gpu_count(text: str) -> tuple[int, str]:
     """`4xh100` -> (4, "h100"); `h100` -> (1, "h100"); `EngineError` for a count out of range."""
-    from kvtui.sim.memory import MAX_TENSOR_PARALLEL
+    from kvtui.sim.parallel import MAX_TENSOR_PARALLEL
 
     match = _GPU_COUNT.fullmatch(text)
     if match is None:
@@ -130,7 +130,8 @@ def check_engine(settings: RunSettings) -> None:
     if spec.kind in ("sim", "replay"):
         open_engine(settings).close()
     elif spec.kind == "hf":
-        from kvtui.sim.catalog import ConfigError, model_from_hf_config
+        from kvtui.sim.catalog import ConfigError
+        from kvtui.sim.hf_config import model_from_hf_config
 
         assert spec.path is not None  # parse_engine sets it for hf:
         config = read_model_config(spec.path)

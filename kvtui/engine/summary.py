@@ -35,8 +35,10 @@ from kvtui.engine.protocol import (
     StepSample,
 )
 from kvtui.engine.spec import parse_engine
-from kvtui.sim.catalog import ModelSpec, get_model, model_from_hf_config
-from kvtui.sim.memory import kv_bytes, kv_bytes_per_token, shard
+from kvtui.sim.catalog import ModelSpec, get_model
+from kvtui.sim.hf_config import model_from_hf_config
+from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
+from kvtui.sim.parallel import shard
 
 RECENT_STEPS = 64
 """Later steps whose bandwidth `LoopSummary.recent_bandwidth_bytes_per_s` takes the median of."""

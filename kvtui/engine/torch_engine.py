@@ -7,7 +7,7 @@ by a `PositionCounter`; on sampled steps the FLOPs torch counted; the wall time 
 the KV bytes held, from the cache's tensors; on a GPU the device memory in use) beside what the
 formula prices it at (kvtui.sim.work.step_cost: its FLOPs and bytes read), so that the two can
 disagree. kvtui's own decoder runs a batch (`--batch`) with its cache's blocks taken from one
-pool, which stops the batch where kvtui.sim.memory.KVPool says. Out of memory on a GPU ends the
+pool, which stops the batch where kvtui.sim.pool.KVPool says. Out of memory on a GPU ends the
 loop with "out of memory at N tokens", frees the cache, and the process goes on.
 """
 
@@ -48,7 +48,8 @@ from kvtui.gpu.load import build_shape, load_tiny, parameter_bytes, spec_from_ar
 from kvtui.gpu.model import Transformer
 from kvtui.paths import TINY_NAME
 from kvtui.sim.catalog import ModelSpec, UnknownNameError, get_model
-from kvtui.sim.memory import CPU_KV_BUDGET_BYTES, KVPool, gpu_pool_bytes, kv_bytes_per_token
+from kvtui.sim.memory import kv_bytes_per_token
+from kvtui.sim.pool import CPU_KV_BUDGET_BYTES, KVPool, gpu_pool_bytes
 from kvtui.sim.work import step_cost
 from kvtui.text import Utf8Stream, encode_bytes
 
@@ -57,7 +58,7 @@ def open_pool(
     settings: RunSettings, device: torch.device, kv_bytes_per_token: int
 ) -> tuple[KVPool, str]:
     """The KV pool a run's cached loop takes its blocks from, and where its capacity came from:
-    `--kv-budget`; else on a GPU its share (kvtui.sim.memory.gpu_pool_bytes, measured now, with
+    `--kv-budget`; else on a GPU its share (kvtui.sim.pool.gpu_pool_bytes, measured now, with
     the weights loaded); else the CPU default."""
     if settings.kv_budget_bytes is not None:
         capacity, source = settings.kv_budget_bytes, "--kv-budget"

@@ -1,5 +1,5 @@
 """The paged KV cache, in torch, without a UI: blocks of token slots taken from a pool as a
-sequence grows (vLLM's PagedAttention layout; kvtui.sim.memory.KVPool is its arithmetic), so that a
+sequence grows (vLLM's PagedAttention layout; kvtui.sim.pool.KVPool is its arithmetic), so that a
 run can find the pool empty (`KVCacheFull`)."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class BlockPool:
 
 class PagedKVCache:
     """Every layer's keys and values, in blocks of `block_tokens` token slots taken from a pool
-    as positions are written: vLLM's PagedAttention layout (kvtui.sim.memory.KVPool), in torch.
+    as positions are written: vLLM's PagedAttention layout (kvtui.sim.pool.KVPool), in torch.
 
     Each layer stores keys and values as `(1, n_kv_head, n_blocks x block_tokens, head_dim)`;
     block b is slots b x block_tokens onwards in every layer. Each sequence has a block table,

@@ -5,6 +5,7 @@ made ready to decode on its device."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import torch
 from safetensors import safe_open
@@ -14,7 +15,7 @@ from kvtui.format import format_bytes
 from kvtui.gpu.device import available_bytes, dtype_name
 from kvtui.gpu.model import ModelArgs, Transformer
 from kvtui.paths import TINY_WEIGHTS, asset_path
-from kvtui.sim.catalog import ModelSpec, estimate_matrix_params
+from kvtui.sim.catalog import ModelSpec, spec_matrix_params
 from kvtui.sim.memory import kv_bytes
 
 TINY_ARGS = ModelArgs(n_layer=6, n_head=8, n_kv_head=2, dim=256, intermediate_size=512)
@@ -22,8 +23,9 @@ TINY_ARGS = ModelArgs(n_layer=6, n_head=8, n_kv_head=2, dim=256, intermediate_si
 
 
 def spec_from_args(name: str, args: ModelArgs) -> ModelSpec:
-    """The kvtui.sim view of a torch model's shape, so its formulas apply to it unchanged."""
-    return ModelSpec(
+    """The kvtui.sim view of a torch model's shape, so its formulas apply to it unchanged (its
+    FLOPs exactly: `matrix_params` counted from the shape)."""
+    spec = ModelSpec(
         name=name,
         layers=args.n_layer,
         heads=args.n_head,
@@ -33,18 +35,10 @@ def spec_from_args(name: str, args: ModelArgs) -> ModelSpec:
         intermediate_size=args.intermediate_size,
         vocab_size=args.vocab_size,
         params=args.params,
-        matrix_params=estimate_matrix_params(
-            layers=args.n_layer,
-            heads=args.n_head,
-            kv_heads=args.n_kv_head,
-            head_dim=args.head_dim,
-            hidden_size=args.dim,
-            intermediate_size=args.intermediate_size,
-            vocab_size=args.vocab_size,
-        ),
         max_context=args.max_positions,
         default_dtype="fp32",
     )
+    return replace(spec, matrix_params=spec_matrix_params(spec))
 
 
 def load_tiny(

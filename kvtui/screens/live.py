@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from kvtui.engine.protocol import Loop, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.engine.summary import LoopSummary, RunSummary
-from kvtui.sim.memory import KVPool
+from kvtui.sim.pool import KVPool
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
 

@@ -33,6 +33,7 @@ from kvtui.format import (
 from kvtui.paths import TINY_NAME
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LivePool, LiveRun
+from kvtui.sim.budget import LESSON_BUDGET, Budget, budget, vram_split
 from kvtui.sim.catalog import (
     GIB,
     ConfigError,
@@ -42,10 +43,10 @@ from kvtui.sim.catalog import (
     get_gpu,
     get_model,
     gpu_names,
-    model_from_hf_config,
     model_names,
 )
-from kvtui.sim.memory import LESSON_BUDGET, Budget, budget, kv_bytes, vram_split
+from kvtui.sim.hf_config import model_from_hf_config
+from kvtui.sim.memory import kv_bytes
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.vram import Bar, Part, VramBar, whatif_bar

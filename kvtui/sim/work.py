@@ -312,7 +312,7 @@ def tensor_parallel_step_seconds(
     batch: int = 1,
 ) -> float:
     """The least time a step of `spec` split over `gpus` GPUs can take: one GPU's roofline over
-    its own `flops` and `bytes_read` (those of its share, kvtui.sim.memory.shard), plus the time
+    its own `flops` and `bytes_read` (those of its share, kvtui.sim.parallel.shard), plus the time
     its link takes to send `tensor_parallel_step_link_bytes` at `gpu.interconnect_bytes_per_s`.
 
     The exchanges are added, not overlapped: every layer waits for its all-reduce before the

@@ -11,7 +11,7 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 from kvtui.format import format_bytes
-from kvtui.sim.memory import VramSplit
+from kvtui.sim.budget import VramSplit
 
 
 @dataclass(frozen=True)

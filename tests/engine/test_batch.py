@@ -16,7 +16,8 @@ from kvtui.engine.protocol import (
 )
 from kvtui.engine.spec import open_engine
 from kvtui.sim.catalog import get_gpu, get_model
-from kvtui.sim.memory import KVPool, kv_bytes, weights_bytes
+from kvtui.sim.memory import kv_bytes, weights_bytes
+from kvtui.sim.pool import KVPool
 from kvtui.sim.work import (
     decode_step_bytes,
     decode_step_flops,

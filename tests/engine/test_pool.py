@@ -9,7 +9,8 @@ import torch
 from kvtui.engine.protocol import RunFinished, RunSettings, StepSample
 from kvtui.engine.spec import open_engine
 from kvtui.gpu.cache import BlockPool, KVCacheFull, PagedKVCache
-from kvtui.sim.memory import KVPool, kv_bytes
+from kvtui.sim.memory import kv_bytes
+from kvtui.sim.pool import KVPool
 
 TINY_PER_TOKEN = 2 * 6 * 2 * 32 * 4
 """The shipped model's keys and values per position in fp32: 3,072 bytes."""

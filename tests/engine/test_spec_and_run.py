@@ -22,7 +22,8 @@ from kvtui.engine.protocol import (
 from kvtui.engine.replay import RecordWriter, read_record
 from kvtui.engine.spec import open_engine
 from kvtui.sim.catalog import get_gpu, get_model
-from kvtui.sim.memory import kv_bytes, kv_capacity, weights_bytes
+from kvtui.sim.memory import kv_bytes, weights_bytes
+from kvtui.sim.pool import kv_capacity
 from kvtui.sim.work import (
     cached_step_positions,
     decode_step_bytes,
@@ -338,7 +339,8 @@ def test_one_gpu_written_1x_is_the_same_run():
 
 
 def test_sim_split_over_4_gpus_runs_each_gpus_share():
-    from kvtui.sim.memory import kv_bytes_per_token, shard
+    from kvtui.sim.memory import kv_bytes_per_token
+    from kvtui.sim.parallel import shard
     from kvtui.sim.work import tensor_parallel_step_link_bytes
 
     settings = RunSettings(engine="sim:llama-3.1-70b@4xh100", tokens=8, replay_speed=0)
@@ -386,7 +388,7 @@ def test_sim_refuses_a_split_too_small_naming_the_fewest_gpus(engine, says):
 
 
 def test_the_fewest_gpus_named_are_the_fewest_that_fit():
-    from kvtui.sim.memory import shard
+    from kvtui.sim.parallel import shard
 
     gib = 2**30
     spec = get_model("llama-3.1-70b")

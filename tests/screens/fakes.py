@@ -14,7 +14,8 @@ from kvtui.engine.protocol import (
 )
 from kvtui.engine.roofline import MODELLED
 from kvtui.sim.catalog import get_gpu, get_model
-from kvtui.sim.memory import kv_bytes_per_token, kv_capacity, weights_bytes
+from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
+from kvtui.sim.pool import kv_capacity
 from kvtui.sim.work import (
     cached_step_positions,
     decode_step_bytes,

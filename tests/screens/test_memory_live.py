@@ -13,8 +13,10 @@ from kvtui.app import make_app
 from kvtui.engine.protocol import RunSettings, run_events
 from kvtui.engine.spec import open_engine
 from kvtui.screens.memory import MemoryScreen
+from kvtui.sim.budget import budget
 from kvtui.sim.catalog import get_gpu, get_model, gpu_names, model_names
-from kvtui.sim.memory import KVPool, budget, kv_bytes_per_token
+from kvtui.sim.memory import kv_bytes_per_token
+from kvtui.sim.pool import KVPool
 from kvtui.widgets.vram import VramBar
 
 SIZE = (100, 30)

@@ -16,10 +16,10 @@ from kvtui.sim.catalog import (
     get_model,
     gpu_names,
     match_gpu,
-    model_from_hf_config,
     model_names,
     normalize_dtype,
 )
+from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
 
 # Published Hugging Face config.json figures: the URL of each is in the comment beside it.

@@ -7,17 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtui.format import format_bytes, format_percent
+from kvtui.sim.budget import LESSON_BUDGET, Budget, budget, max_context_tokens, vram_split
 from kvtui.sim.catalog import GIB, ModelSpec, dtype_names, get_gpu, get_model, gpu_names
 from kvtui.sim.catalog import model_names as catalog_model_names
 from kvtui.sim.memory import (
-    LESSON_BUDGET,
     RUNTIME_RESERVE_BYTES,
-    Budget,
-    budget,
     kv_bytes,
     kv_bytes_per_token,
-    max_context_tokens,
-    vram_split,
     weights_bytes,
 )
 
@@ -259,7 +255,7 @@ def test_vram_split_draws_a_whole_bar(model, context, batch):
 
 
 def test_a_pool_is_whole_blocks_of_its_capacity():
-    from kvtui.sim.memory import KVPool
+    from kvtui.sim.pool import KVPool
 
     pool = KVPool(100 * 1024, 16, 3072)  # 48 KiB blocks: two fit in 100 KiB, 4 KiB left over
     assert (pool.block_bytes, pool.blocks, pool.tokens) == (49_152, 2, 32)
@@ -279,14 +275,14 @@ def test_a_pool_is_whole_blocks_of_its_capacity():
     ],
 )
 def test_the_cached_loop_stops_where_the_pool_says(capacity_tokens, block, prompt, batch, expected):
-    from kvtui.sim.memory import KVPool
+    from kvtui.sim.pool import KVPool
 
     pool = KVPool(capacity_tokens * 100, block, 100)
     assert pool.tokens_before_full(prompt, batch) == expected
 
 
 def test_the_gpu_pool_is_vllms_share_less_what_is_in_use():
-    from kvtui.sim.memory import gpu_pool_bytes
+    from kvtui.sim.pool import gpu_pool_bytes
 
     gib = 2**30
     # 80 GiB device, 16 GiB in use (weights, context): 0.9 x 80 - 16 = 56 GiB
@@ -295,7 +291,7 @@ def test_the_gpu_pool_is_vllms_share_less_what_is_in_use():
 
 
 def test_the_budget_keys_step_by_powers_of_two_from_the_runs_size():
-    from kvtui.sim.memory import step_budget
+    from kvtui.sim.pool import step_budget
 
     need, block = 300 * 3072, 16 * 3072  # 900 KiB for the run, 48 KiB blocks
     first = step_budget(256 << 20, need, -1, smallest=block)

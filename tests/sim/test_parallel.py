@@ -11,23 +11,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtui.sim.budget import budget
 from kvtui.sim.catalog import GIB, get_gpu, get_model, gpu_names, model_names
-from kvtui.sim.memory import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    RUNTIME_RESERVE_BYTES,
-    budget,
+from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes_per_token, weights_bytes
+from kvtui.sim.parallel import (
     fewest_gpus,
-    kv_bytes_per_token,
-    kv_capacity,
     kv_head_copies,
     kv_heads_per_gpu,
     params_per_gpu,
     shard,
     tensor_parallel_problem,
     tensor_parallel_sizes,
-    weights_bytes,
 )
+from kvtui.sim.pool import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION, kv_capacity
 
 
 def rule_params_per_gpu(name: str, tp: int) -> int:

@@ -269,7 +269,7 @@ def test_link_bytes_of_a_ring_all_reduce_exact():
 
 
 def test_a_split_step_is_its_gpus_roofline_plus_the_link():
-    from kvtui.sim.memory import shard
+    from kvtui.sim.parallel import shard
     from kvtui.sim.work import tensor_parallel_step_link_bytes, tensor_parallel_step_seconds
 
     spec, gpu = get_model("llama-3.1-70b"), get_gpu("h100")
