@@ -245,7 +245,7 @@ class DecoderCache:
     model: Transformer
 
     def prefill(self, prompt: Tensor) -> Tensor:
-        logits: Tensor = self.model(prompt, start=0, use_cache=True)
+        logits: Tensor = self.model(prompt, start=0, use_cache=True, last_only=True)
         return logits[:, -1]
 
     def decode_one_token(self, token: Tensor, position: int) -> Tensor:
@@ -267,8 +267,8 @@ class DecoderCache:
 
 def recompute_all(model: Transformer, ids: Tensor) -> Tensor:
     """Run the whole sequences `(B, T)` with no cache: keys and values for all T positions of
-    every row again."""
-    logits: Tensor = model(ids, start=0, use_cache=False)
+    every row again (and the newest position's logits only)."""
+    logits: Tensor = model(ids, start=0, use_cache=False, last_only=True)
     return logits[:, -1]
 
 

@@ -288,8 +288,12 @@ class Transformer(nn.Module):
             self.tok_embeddings.weight, layers, self.norm.weight, self.output.bound(), rotations
         )
 
-    def forward(self, idx: Tensor, start: int = 0, use_cache: bool = False) -> Tensor:
-        """Logits `(B, T, vocab)` for tokens `idx` `(B, T)` at positions `start..start+T-1`.
+    def forward(
+        self, idx: Tensor, start: int = 0, use_cache: bool = False, last_only: bool = False
+    ) -> Tensor:
+        """Logits `(B, T, vocab)` for tokens `idx` `(B, T)` at positions `start..start+T-1`;
+        with `last_only`, `(B, 1, vocab)`: the newest position's, all a decode step needs (the
+        output head runs once, as transformers' `logits_to_keep=1`).
 
         With `use_cache`, each layer writes its new keys and values into the KV cache (the
         positions reserved first, for every layer at once: `KVCacheFull` changes nothing) and
@@ -327,6 +331,8 @@ class Transformer(nn.Module):
             gate, up = layer.w13(F.rms_norm(x, dim, layer.ffn_norm, eps)).chunk(2, dim=-1)
             x = x + layer.w2(F.silu(gate) * up)
         self.key_rows += rows
+        if last_only:
+            x = x.narrow(1, T - 1, 1)
         return w.output(F.rms_norm(x, dim, w.norm, eps))
 
 

@@ -145,16 +145,25 @@ def _causal_keys(positions: int, window: int | None) -> int:
     return window * (window + 1) // 2 + (positions - window) * window
 
 
-def uncached_step_flops(spec: ModelSpec, positions: int, batch: int = 1) -> int:
-    """FLOPs of one uncached step that recomputes `positions` positions from scratch.
+def head_params(spec: ModelSpec) -> int:
+    """Parameters of the output head (the vocabulary's logits from the last hidden state)."""
+    return spec.vocab_size * spec.hidden_size
 
-    About 2 x parameters per position, plus causal attention: query i attends to i keys (its
-    window, in a sliding layer), 4 x heads x head_dim FLOPs per key.
+
+def uncached_step_flops(spec: ModelSpec, positions: int, batch: int = 1) -> int:
+    """FLOPs of one uncached step (or a prefill) that computes `positions` positions at once.
+
+    About 2 x parameters per position, but the output head once: a step needs the newest
+    position's logits only (transformers' `logits_to_keep=1`; kvtui's forward with `last_only`).
+    Plus causal attention: query i attends to i keys (its window, in a sliding layer), 4 x heads
+    x head_dim FLOPs per key. So it is the cached steps at contexts 1..P, less P - 1 heads.
     """
     _check("positions", positions, 1)
     _check("batch", batch, 1)
     keys = sum(_causal_keys(positions, w) for w in spec.layer_windows())
-    return batch * (2 * spec.multiplied_params * positions + 4 * spec.heads * spec.head_dim * keys)
+    body = spec.multiplied_params - head_params(spec)
+    attention = 4 * spec.heads * spec.head_dim * keys
+    return batch * (2 * body * positions + 2 * head_params(spec) + attention)
 
 
 def decode_step_bytes(
