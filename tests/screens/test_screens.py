@@ -177,7 +177,7 @@ async def test_the_chosen_length_is_what_r_runs():
 
 async def test_the_sim_engine_says_modelled_and_why():
     """Times from the roofline are labelled modelled, and the screen says why its speedup is
-    what it is (llama-3.1-8b on an H100 turns compute-bound at about 295 positions)."""
+    what it is (llama-3.1-8b on an H100 turns compute-bound at about 316 positions)."""
     events = sim_events(SETTINGS)
     assert events[0].timing == MODELLED  # the fake says what the sim: engine says
     app = build(2, 32, events=events)
@@ -185,7 +185,7 @@ async def test_the_sim_engine_says_modelled_and_why():
         await settle(app, pilot)
         text = screen_text(app)
         assert "MODELLED" in text and "MEASURED" not in text
-        assert "about 295 positions" in text
+        assert "about 316 positions" in text
         assert app.screen.query_one("#measured", StatCard).note == "roofline"
 
 
