@@ -181,7 +181,7 @@ class TorchEngine(ABC):
                 if loop == "cached":
                     allocated, filled = step.kv_bytes_allocated, step.kv_bytes
                 done += 1
-                yield self._sample(loop, step, text(step.token_id))
+                yield self._sample(loop, step, P, text(step.token_id))
                 if loop == "uncached" and done % TRIM_EVERY_STEPS == 0:
                     trim_host_memory()  # between steps: never inside a timed one
         except KVCacheFull:
@@ -200,10 +200,10 @@ class TorchEngine(ABC):
             loop, reason, done, stopped, kv_bytes_allocated=allocated, kv_bytes_filled=filled
         )
 
-    def _sample(self, loop: Loop, step: Step, text: str) -> StepSample:
+    def _sample(self, loop: Loop, step: Step, prompt_tokens: int, text: str) -> StepSample:
         """A measured step as the protocol's sample, beside the formula's FLOPs and bytes for the
         whole batch (kvtui.sim.work.step_cost)."""
-        dtype, P = self.dtype_name, self.prompt_ids().shape[1]
+        dtype, P = self.dtype_name, prompt_tokens
         cost = step_cost(
             self.spec, loop == "cached", step.index, P, self.settings.batch, dtype, dtype
         )

@@ -83,7 +83,7 @@ class CacheScreen(WorkScreen):
         n = live.compared_steps()
         without, with_card = self.query_one("#without", StatCard), self.query_one("#with", StatCard)
         speedup, timed = self.query_one("#speedup", StatCard), self.query_one("#measured", StatCard)
-        timed.border_title = "MEASURED" if live.timing == "measured" else "MODELLED"
+        timed.border_title = live.how.upper() or "TIME"
         span = f"steps 1-{n:,}" if n else "same steps"
         uncached, cached = live.work_over(n)
         without.value = format_int(uncached) if n else "…"
@@ -101,7 +101,7 @@ class CacheScreen(WorkScreen):
         speedup.set_class(n > 0, "-good")
         ratio = live.wall_speedup()
         timed.value = format_ratio(ratio) if ratio else "…"
-        timed.note = "wall time" if live.timing == "measured" else "roofline"
+        timed.note = {"measured": "wall time", "modelled": "roofline"}.get(live.how, "…")
 
     def redraw(self) -> None:
         uncached, cached = self.run.loop("uncached"), self.run.loop("cached")
@@ -133,7 +133,7 @@ class CacheScreen(WorkScreen):
             mark.show("… comparing the two streams")
 
     def _why(self) -> str:
-        if self.run.timing != "measured":
+        if self.run.how != "measured":
             return self._why_modelled()
         cached = self.run.loop("cached").step_seconds
         lines = [

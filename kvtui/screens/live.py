@@ -151,10 +151,12 @@ class LivePool:
         return room if room < self.run_tokens else None
 
 
-@dataclass
+@dataclass(eq=False)
 class LiveRun:
     """Everything the screens show about the engine run: its state, and its events folded by
-    kvtui.engine.summary (`summary`), the fold `kvtui bench` reads too."""
+    kvtui.engine.summary (`summary`), the fold `kvtui bench` reads too. Compared by identity: a
+    new snapshot is a new run to draw (a var holding one never compares the folds field by
+    field)."""
 
     settings: RunSettings
     device_description: str = "probing the device..."
@@ -165,8 +167,6 @@ class LiveRun:
     failure: str = ""
     summary: RunSummary = field(default_factory=RunSummary)
     loops: dict[str, LoopTrace] = field(default_factory=dict)
-    version: int = 0
-    """Bumped on every change: two snapshots of one run with one version are the same."""
     read_only: bool = field(default=False, compare=False)
     """A `snapshot`: what the screens read; folding into it raises."""
 
@@ -185,7 +185,6 @@ class LiveRun:
     def _changing(self) -> None:
         if self.read_only:
             raise RuntimeError("a snapshot of the run is read-only: the app folds the live one")
-        self.version += 1
 
     def reset(self, settings: RunSettings) -> None:
         """Forget the old run: a new one with these settings is starting."""
@@ -288,6 +287,14 @@ class LiveRun:
         """ "measured", or how else the engine's step times were had ("modelled (roofline)");
         empty before the engine says (nothing is called measured that has not run)."""
         return self.started.timing if self.started else ""
+
+    @property
+    def how(self) -> str:
+        """How the run's figures were had, in a word: "measured" (a torch engine, or a replay
+        of one), "modelled" (any other timing: the `sim:` engine's roofline), or "" before the
+        engine says."""
+        timing = self.timing
+        return "measured" if timing == "measured" else "modelled" if timing else ""
 
     @property
     def prompt_text(self) -> str:

@@ -365,7 +365,7 @@ class MemoryScreen(LessonScreen):
             bar.show(Bar((), 1), "LIVE: the running engine's memory, once it starts")
             status.update("")
             return
-        how = "measured" if self.run.timing == "measured" else "modelled"
+        how = self.run.how
         where = safe_text(started.device.split(" (")[0], one_line=True)
         title = f"LIVE ({how}): {safe_text(started.model, one_line=True)} on {where}"
         if live is None:

@@ -55,12 +55,6 @@ class RecomputeScreen(WorkScreen):
 
     BINDINGS = [Binding("c", "app.cache_on", "Cache on")]
 
-    def _how(self) -> str:
-        """How the run's figures were had, in a word: "measured" (a torch engine, a replay of
-        one), "modelled" (the `sim:` engine), or "" before the engine says."""
-        timing = self.run.timing
-        return "measured" if timing == "measured" else "modelled" if timing else ""
-
     def compose_body(self) -> ComposeResult:
         with Horizontal(classes="cards"):
             yield StatCard("PER STEP", "…", id="per-step")
@@ -83,7 +77,7 @@ class RecomputeScreen(WorkScreen):
             self.query_one(f"#{i}", StatCard) for i in ("per-step", "total", "wasted")
         )
         last = trace.last
-        if how := self._how():
+        if how := self.run.how:
             captions = zip(self.query(Caption), (CAPTION, CAPTION_NARROW), strict=True)
             for caption, template in captions:
                 caption.show(template.replace("measured", how))
