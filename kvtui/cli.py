@@ -2,7 +2,8 @@
 
 `kvtui` alone opens the Textual app (imported only then); `kvtui bench` runs both loops headless;
 `kvtui serve` serves the app in a browser (kvtui.serve); `kvtui work`, `budget`, `models` and
-`gpus` print the simulator's figures (kvtui.reports). The options and their types live in
+`gpus` print the simulator's figures (kvtui.reports); `kvtui export-hf` and `kvtui load` are for
+watching a real vLLM server (kvtui.served). The options and their types live in
 kvtui.options. Bad input is one line on stderr and exit status 2, never a traceback; stdout that
 closes or fills is said once. Importing this module stays cheap: no torch, no textual.
 
@@ -38,6 +39,7 @@ from kvtui.options import (
     settings_from_args,
 )
 from kvtui.reports import add_budget, add_gpus, add_models, add_work, print_json
+from kvtui.served import add_export_hf, add_load
 from kvtui.sim.catalog import (
     ConfigError,
     UnknownNameError,
@@ -139,6 +141,8 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     add_gpus,
     _add_bench,
     _add_serve,
+    add_export_hf,
+    add_load,
 ]
 """Builders of the subcommands' parsers, in the order `--help` lists them."""
 

@@ -201,7 +201,8 @@ def add_run_options(group: Any, *, app: bool) -> None:
     group.add_argument(
         "--engine",
         default="tiny",
-        help="tiny (default), shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU or replay:FILE",
+        help="tiny (default), shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE or "
+        "vllm:URL (a running vLLM server, watched)",
     )
     group.add_argument(
         "--device",

@@ -248,7 +248,7 @@ def child_main() -> int:
     engine = None
     try:
         engine = open_engine(settings)
-        for event in run_events(engine, settings, control):
+        for event in run_events(engine, settings, control, watch=True):
             emit(event)
     except EngineError as exc:
         emit(RunFailed(safe_text(str(exc), one_line=True)))  # may quote a file

@@ -170,6 +170,11 @@ class RunStarted:
     GPU's (`sim:`'s, or the one a CUDA device matches); None on a CPU or an unknown GPU."""
     ridge_source: str = ""
     """Where the ridge point came from, or why there is none, in words."""
+    served_by: str = ""
+    """The serving engine a `vllm:` run watches, in words ("vLLM 0.32.0 at http://..."); empty
+    for kvtui's own engines. Such a run's steps are streamed tokens timed on kvtui's clock: the
+    server's positions computed, FLOPs and KV bytes cannot be observed from here, and its
+    StepSamples carry 0 for them (the server's own figures come as `ServerMetrics`)."""
     kind: str = field(default="started", init=False)
 
 
@@ -242,13 +247,63 @@ class RunFailed:
     kind: str = field(default="failed", init=False)
 
 
-Event = RunStarted | StepSample | RunFinished | RunFailed
+@dataclass(frozen=True)
+class ServerMetrics:
+    """One poll of a serving engine's Prometheus `/metrics` (the `vllm:` engine), sent at a
+    bounded rate while the run streams and after it: every figure is the server's own, as it
+    reported it, never kvtui's measurement (kvtui.engine.metrics reads them). None where the
+    server reported no metric of that quantity; `found` says which name each was read from
+    ("kv_usage=vllm:kv_cache_usage_perc"), since names change between releases. A poll that got
+    no figures says why in `error` (the server did not answer, or has no such metrics)."""
+
+    seconds: float
+    """When the poll answered, in seconds after the engine opened (kvtui's clock)."""
+    error: str = ""
+    found: tuple[str, ...] = ()
+    kv_usage: float | None = None
+    """The share of the server's KV-cache blocks in use, 0 to 1."""
+    kv_blocks: int | None = None
+    """Blocks of the server's KV cache (vLLM's num_gpu_blocks)."""
+    kv_block_tokens: int | None = None
+    kv_capacity_tokens: int | None = None
+    """Token slots of the KV cache (vLLM's kv_cache_size_tokens)."""
+    kv_cache_memory_bytes: int | None = None
+    """The memory the server sized its KV cache from (vLLM's kv_cache_memory_bytes)."""
+    kv_cache_dtype: str = ""
+    """The server's cache dtype ("auto": the model's)."""
+    kv_blocks_override: int | None = None
+    """vLLM's --num-gpu-blocks-override, when set: the blocks are then not what memory holds."""
+    max_concurrency: float | None = None
+    """vLLM's "maximum concurrency" of max_model_len-token requests."""
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    waiting_reasons: tuple[str, ...] = ()
+    """Requests waiting by reason, as "reason=count" ("capacity=3")."""
+    preemptions: int | None = None
+    """Requests preempted since the server started (a counter)."""
+    prefix_queries_tokens: int | None = None
+    """Prompt tokens looked up in the prefix cache since the server started."""
+    prefix_hits_tokens: int | None = None
+    """Of those, tokens found cached."""
+    prefix_hit_rate: float | None = None
+    """A hit rate the server reports directly (SGLang), 0 to 1."""
+    ttft_seconds_sum: float | None = None
+    """The server's time-to-first-token histogram: its sum of seconds and count of requests."""
+    ttft_count: int | None = None
+    itl_seconds_sum: float | None = None
+    """The server's inter-token latency histogram: its sum of seconds and count of gaps."""
+    itl_count: int | None = None
+    kind: str = field(default="server", init=False)
+
+
+Event = RunStarted | StepSample | RunFinished | RunFailed | ServerMetrics
 
 _KINDS: dict[str, type[Event]] = {
     "started": RunStarted,
     "step": StepSample,
     "finished": RunFinished,
     "failed": RunFailed,
+    "server": ServerMetrics,
 }
 
 
@@ -354,8 +409,9 @@ class StepSource(Protocol):
         """What runs, and where; sent before the first step."""
         ...
 
-    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
-        """The steps of one loop; may end with its own `RunFinished` (out of memory, say)."""
+    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished | ServerMetrics, None, None]:
+        """The steps of one loop; may end with its own `RunFinished` (out of memory, say). A
+        served engine (`vllm:`) also yields its server's `ServerMetrics` between them."""
         ...
 
     def close(self) -> None: ...
@@ -396,8 +452,12 @@ def run_events(
     control: RunControl | None = None,
     *,
     schedule: Schedule = "fair",
+    watch: bool = False,
 ) -> Iterator[Event]:
-    """Every event of a run: started, steps, one finished per loop.
+    """Every event of a run: started, steps, one finished per loop; a served engine's
+    `ServerMetrics` as they come. With `watch`, an engine that can (`vllm:`, its `watch`) goes on
+    sending its server's metrics after its loops end, until the run is stopped (the app's engine
+    process watches; `kvtui bench` does not).
 
     `fair`: the loops share the engine's time, each turn going to the loop that has spent the
     least measured step time so far; so the cached loop, whose steps are short, races ahead and
@@ -423,6 +483,9 @@ def run_events(
                     yield RunFinished(left, "cancelled", counts[left], "stopped")
                 return
             event = next(iterators[loop], None)
+            if isinstance(event, ServerMetrics):
+                yield event
+                continue
             if isinstance(event, StepSample):
                 counts[loop] += 1
                 spent[loop] += max(0.0, event.step_seconds)
@@ -430,6 +493,9 @@ def run_events(
                 continue
             iterators.pop(loop).close()
             yield event if event is not None else RunFinished(loop, "done", counts[loop])
+        keep_watching = getattr(engine, "watch", None) if watch else None
+        if keep_watching is not None:
+            yield from keep_watching(control)
     finally:
         for iterator in iterators.values():
             iterator.close()

@@ -33,6 +33,7 @@ from kvtui.engine.protocol import (
     RunFinished,
     RunSettings,
     RunStarted,
+    ServerMetrics,
     StepSample,
     event_from_json,
     to_json,
@@ -136,6 +137,8 @@ class _RunOrder:
             return
         if self.started is None:
             raise self._bad(number, f"a '{event.kind}' event before the run's 'started' event")
+        if isinstance(event, ServerMetrics):  # a served run's polls: between any steps
+            return
         loop, done = event.loop, self.steps.get(event.loop, 0)
         if loop in self.finished:
             raise self._bad(number, f"a '{event.kind}' event after the {loop} loop finished")

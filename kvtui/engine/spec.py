@@ -1,12 +1,13 @@
 """Engine names, parsed once: `tiny`, `shape:MODEL`, `sim:MODEL@GPU` (or `@NxGPU`, tensor
-parallel), `replay:FILE`, `hf:DIR`.
+parallel), `replay:FILE`, `hf:DIR`, `vllm:URL` (a running vLLM server, watched).
 
 `parse_engine` turns a name into an `EngineSpec` (or one `EngineError` line); `check_run` refuses,
 cheaply and without torch, settings no engine can run (a CUDA device where there is none, more
 positions than the model has), and `check_engine` also looks at the files a run needs, so that
 the CLI can say so before a UI opens; `open_engine` builds the engine a spec names, importing
 torch only for the torch engines (kvtui.engine.torch_engine, kvtui.engine.hf), never for `sim:`
-(kvtui.engine.roofline) or `replay:` (kvtui.engine.replay).
+(kvtui.engine.roofline), `replay:` (kvtui.engine.replay) or `vllm:` (kvtui.engine.vllm, plain
+HTTP to the URL given and nowhere else).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvtui.engine.client import ServerURL
 from kvtui.engine.model_files import check_model_files, check_positions, read_model_config
 from kvtui.engine.protocol import (
     MAX_RUN_BATCH,
@@ -27,9 +29,9 @@ from kvtui.engine.protocol import (
 from kvtui.gpu.probe import cuda_visible
 from kvtui.paths import TINY_NAME
 
-EngineKind = Literal["tiny", "shape", "sim", "replay", "hf"]
+EngineKind = Literal["tiny", "shape", "sim", "replay", "hf", "vllm"]
 
-ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR"
+ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR, vllm:URL"
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,8 @@ class EngineSpec:
     """How many of that GPU `sim:` splits the model over (tensor parallel): N of `MODEL@NxGPU`."""
     path: Path | None = None
     """The record of `replay:`, the model directory of `hf:`."""
+    url: ServerURL | None = None
+    """The server of `vllm:`, checked (http or https, a host, no credentials)."""
 
 
 def parse_engine(name: str) -> EngineSpec:
@@ -54,7 +58,7 @@ def parse_engine(name: str) -> EngineSpec:
     arg = arg.strip()
     if name == "tiny":
         return EngineSpec("tiny")
-    if not colon or kind not in ("shape", "sim", "replay", "hf"):
+    if not colon or kind not in ("shape", "sim", "replay", "hf", "vllm"):
         raise EngineError(f"unknown engine {name!r}: use one of {ENGINE_FORMS}")
     if kind == "shape":
         if not arg:
@@ -69,6 +73,10 @@ def parse_engine(name: str) -> EngineSpec:
             )
         gpus, gpu = _gpu_count(gpu.strip())
         return EngineSpec("sim", model=model.strip(), gpu=gpu, gpus=gpus)
+    if kind == "vllm":
+        if not arg:
+            raise EngineError("vllm: needs the server's URL, e.g. vllm:http://127.0.0.1:8000")
+        return EngineSpec("vllm", url=ServerURL.parse(arg, "vllm:"))
     if not arg:
         example = "replay:runs/h100.jsonl" if kind == "replay" else "hf:~/models/Llama-3.2-1B"
         raise EngineError(f"{kind}: needs a path, e.g. {example}")
@@ -113,6 +121,11 @@ def open_engine(settings: RunSettings) -> StepSource:
 
         assert spec.path is not None  # parse_engine sets it for replay:
         return ReplayEngine.open(spec.path, settings)
+    if spec.kind == "vllm":
+        from kvtui.engine.vllm import VLLMEngine
+
+        assert spec.url is not None  # parse_engine sets it for vllm:
+        return VLLMEngine.open(settings, spec.url)
     from kvtui.engine.hf import open_hf_engine
 
     assert spec.path is not None  # parse_engine sets it for hf:
@@ -127,7 +140,7 @@ def check_engine(settings: RunSettings) -> None:
     in memory is still the engine's to say.
     """
     spec = check_run(settings)
-    if spec.kind in ("sim", "replay"):
+    if spec.kind in ("sim", "replay", "vllm"):  # vllm: asks the server what it serves
         open_engine(settings).close()
     elif spec.kind == "hf":
         from kvtui.sim.catalog import ConfigError
@@ -215,14 +228,14 @@ def check_run(settings: RunSettings) -> EngineSpec:
         raise EngineError(f"tokens must be from 1 to {MAX_TOKENS:,}, not {settings.tokens:,}")
     if not 1 <= settings.batch <= MAX_RUN_BATCH:
         raise EngineError(f"batch must be from 1 to {MAX_RUN_BATCH}, not {settings.batch:,}")
-    if spec.kind in ("hf", "replay") and settings.batch != 1:
+    if spec.kind in ("hf", "replay", "vllm") and settings.batch != 1:
         raise EngineError(
             f"--batch applies to kvtui's own engines (tiny, shape:, sim:), not to {spec.kind}:"
-            + (
-                " it decodes one sequence through transformers' own cache"
-                if spec.kind == "hf"
-                else " a replay shows the run as it was recorded, batch and all"
-            )
+            + {
+                "hf": " it decodes one sequence through transformers' own cache",
+                "replay": " a replay shows the run as it was recorded, batch and all",
+                "vllm": " it streams one completion (kvtui load puts many on the server)",
+            }[spec.kind]
         )
     if spec.kind in ("tiny", "shape", "hf"):
         device = settings.device
@@ -230,14 +243,14 @@ def check_run(settings: RunSettings) -> EngineSpec:
             raise EngineError(f"unknown device {device!r}: use auto, cpu or cuda")
         if device != "auto" and device != "cpu" and not cuda_visible():
             raise EngineError(f"--device {device}: this machine shows no CUDA device")
-    if spec.kind in ("hf", "replay") and settings.kv_budget_bytes is not None:
+    if spec.kind in ("hf", "replay", "vllm") and settings.kv_budget_bytes is not None:
         raise EngineError(
             f"--kv-budget applies to kvtui's own engines (tiny, shape:, sim:), not to {spec.kind}:"
-            + (
-                " transformers keeps its own cache there"
-                if spec.kind == "hf"
-                else " a replay shows the run as it was recorded"
-            )
+            + {
+                "hf": " transformers keeps its own cache there",
+                "replay": " a replay shows the run as it was recorded",
+                "vllm": " the server sized its own cache (--kv-cache-memory-bytes is vLLM's)",
+            }[spec.kind]
         )
     known = model_positions(spec)
     if known is not None:

@@ -32,8 +32,10 @@ from kvtui.engine.protocol import (
     RunFailed,
     RunFinished,
     RunStarted,
+    ServerMetrics,
     StepSample,
 )
+from kvtui.engine.serving import ServerWatch
 from kvtui.engine.spec import parse_engine
 from kvtui.sim.catalog import ModelSpec, get_model
 from kvtui.sim.hf_config import model_from_hf_config
@@ -255,6 +257,8 @@ class RunSummary:
     )
     failure: str = ""
     """A RunFailed's message (empty unless the run failed)."""
+    server: ServerWatch = field(default_factory=ServerWatch)
+    """A served run's (`vllm:`) server figures, as its polls reported them."""
     first_divergence: int | None = None
     """The first step at which the two loops chose different tokens; None while none has."""
     _kv_spec: ModelSpec | None = field(default=None, init=False, repr=False)
@@ -273,6 +277,8 @@ class RunSummary:
             self.loops[event.loop].finished = event
         elif isinstance(event, RunFailed):
             self.failure = event.message
+        elif isinstance(event, ServerMetrics):
+            self.server.add(event)
 
     def _compare(self) -> None:
         """Compare the tokens of the steps both loops have newly made (each step once)."""
@@ -336,8 +342,8 @@ class RunSummary:
         None for the uncached loop (it keeps no cache) and before a step."""
         trace = self.loops[loop]
         started = self.started
-        if loop != "cached" or started is None or trace.last is None:
-            return None
+        if loop != "cached" or started is None or trace.last is None or started.served_by:
+            return None  # a served run's cache is the server's: kvtui holds none of it
         positions = trace.cached_positions
         if self._kv_spec is not None:
             return kv_bytes(self._kv_spec, positions, started.batch, started.dtype)

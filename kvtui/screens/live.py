@@ -14,7 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvtui.engine.protocol import Loop, RunFailed, RunFinished, RunSettings, RunStarted, StepSample
+from kvtui.engine.protocol import (
+    Loop,
+    RunFailed,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    ServerMetrics,
+    StepSample,
+)
+from kvtui.engine.serving import ServerWatch
 from kvtui.engine.summary import LoopSummary, RunSummary
 from kvtui.sim.pool import KVPool
 
@@ -205,7 +214,9 @@ class LiveRun:
         self._changing()
         self.state = state
 
-    def apply(self, event: RunStarted | StepSample | RunFinished | RunFailed) -> None:
+    def apply(
+        self, event: RunStarted | StepSample | RunFinished | RunFailed | ServerMetrics
+    ) -> None:
         """Fold one engine event in."""
         self._changing()
         self.summary.apply(event)
@@ -237,6 +248,13 @@ class LiveRun:
     def started(self) -> RunStarted | None:
         """What the engine said it is running, once it has started."""
         return self.summary.started
+
+    @property
+    def server(self) -> ServerWatch | None:
+        """A served run's (`vllm:`) server figures, as its polls reported them; None for
+        kvtui's own engines."""
+        started = self.started
+        return self.summary.server if started is not None and started.served_by else None
 
     @property
     def model(self) -> str:
