@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from textual import work
 from textual.app import App
@@ -47,6 +47,11 @@ from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import gpu_from_probe, model_names
 from kvtui.sim.pool import step_budget
+
+if TYPE_CHECKING:
+    from textual.timer import Timer
+
+    from kvtui.engine.load import LoadProcess
 
 LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 """The batches screen 3's n steps through (`--batch` takes any up to 256)."""
@@ -218,6 +223,9 @@ class KVApp(App[int]):
         self.set_reactive(KVApp.batch, config.settings.batch)
         self._default_pool: int | None = None
         """The pool an engine took without a budget, once one has run: the budget keys' top."""
+        self._load: LoadProcess | None = None
+        """The load `f` put on a vllm: run's server, while it runs (kvtui.engine.load)."""
+        self._load_timer: Timer | None = None
 
     # --- startup and screens -----------------------------------------------------------------
 
@@ -403,8 +411,62 @@ class KVApp(App[int]):
         self.workers.cancel_group(self, "decode")
         self.engine = None
 
+    # --- a load on a served run's server (screen 3's f) --------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """`f` (fill) only with a vllm: run's server to fill."""
+        return self.live.server is not None if action == "fill" else True
+
+    def action_fill(self) -> None:
+        """Screen 3 with vllm:: put a load on the server that asks for twice its KV cache
+        (kvtui.engine.load.fill_plan), in a `kvtui load` process of its own; once at a time."""
+        from kvtui.engine.load import LoadProcess, fill_plan
+
+        server, url = self.live.server, parse_engine(self.live.settings.engine).url
+        latest = server.latest if server is not None else None
+        if url is None or latest is None or not latest.kv_capacity_tokens:
+            self.notify("No KV-cache figures from the server yet: f waits for them", timeout=4)
+            return
+        if self._load is not None and self._load.running:
+            self.notify("A load is already on the server (it stops by itself)", timeout=4)
+            return
+        started = self.live.started
+        plan = fill_plan(url, latest.kv_capacity_tokens, started and started.max_positions)
+        self.close_load()
+        if self._load_timer is not None:
+            self._load_timer.stop()
+        self._load = LoadProcess(plan)
+        self._load.start()
+        self.notify(
+            f"kvtui load: {plan.requests} requests of {plan.prompt_tokens:,} + "
+            f"{plan.max_tokens:,} tokens, {plan.concurrency} at a time (at most "
+            f"{plan.seconds:.0f} s)",
+            title="Filling vLLM's KV cache",
+            timeout=5,
+        )
+        self._load_timer = self.set_interval(0.5, self._check_load)
+
+    def _check_load(self) -> None:
+        load = self._load
+        if load is not None and load.running:
+            return
+        if self._load_timer is not None:
+            self._load_timer.stop()
+            self._load_timer = None
+        if load is None:
+            return
+        self.notify(safe_text(load.outcome()), title="The load ended", markup=False, timeout=8)
+        self.close_load()
+
+    def close_load(self) -> None:
+        """End the load `f` started, if it still runs."""
+        load, self._load = self._load, None
+        if load is not None:
+            load.close()
+
     def close_engine(self, timeout: float = 1.0) -> None:
         """End the engine's process now (quitting): cancel the reader, then close the child."""
+        self.close_load()
         engine, self.engine = self.engine, None
         self.workers.cancel_group(self, "decode")
         if engine is not None:
@@ -471,6 +533,7 @@ class KVApp(App[int]):
             told = self.live.failure
             self.live.apply(event)
             if isinstance(event, RunStarted):
+                self.refresh_bindings()  # f (fill) with a served run's server
                 self.longest_run = longest_run(event)
                 if self.live.settings.kv_budget_bytes is None:
                     self._default_pool = event.kv_capacity_bytes

@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from kvtui.engine.protocol import (
     DEFAULT_PROMPT,
+    LOOPS,
     MAX_RUN_BATCH,
     MAX_TOKENS,
     RunSettings,
@@ -322,9 +323,12 @@ def add_run_options(group: Any, *, app: bool) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSettings:
-    """The plain, picklable settings of a run, from the parsed options."""
+    """The plain, picklable settings of a run, from the parsed options. A `vllm:` server's run
+    has one loop, the cached one: a server keeps its KV cache."""
+    engine = f"hf:{args.model}" if args.model else args.engine
     return RunSettings(
-        engine=f"hf:{args.model}" if args.model else args.engine,
+        engine=engine,
+        loops=("cached",) if str(engine).strip().startswith("vllm:") else LOOPS,
         device=args.device,
         tokens=args.tokens or (LESSON_TOKENS if args.lesson else default_tokens),
         prompt=argv_text(args.prompt),  # bytes that were not UTF-8 become U+FFFD

@@ -141,8 +141,8 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "uncached": {**stats_u, "finished": _finished(uncached.finished)},
             "speedup_wall": run.wall_speedup(),
             "last_quartile_ratio": last_q[1] / last_q[0] if all(last_q) else None,
-            "work_cached": cached.positions_computed,
-            "work_uncached": uncached.positions_computed,
+            "work_cached": None if started.served_by else cached.positions_computed,
+            "work_uncached": None if started.served_by else uncached.positions_computed,
             "work_ratio": run.positions_speedup(),
             "kv_bytes_per_token": started.kv_bytes_per_token,
             "kv_capacity_bytes": started.kv_capacity_bytes,
@@ -160,6 +160,8 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "flops_per_byte": cached.flops_per_byte,
             "ridge_flops_per_byte": started.ridge_flops_per_byte,
             "ridge_source": started.ridge_source,
+            "served_by": started.served_by,
+            "server": served_summary(run) if started.served_by else None,
             "messages": list(
                 dict.fromkeys(
                     f.message
@@ -170,6 +172,47 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
         }
     )
     return summary
+
+
+def served_summary(run: RunSummary) -> dict[str, Any]:
+    """A served run's server, as its /metrics said (every figure the server's), beside kvtui's
+    prediction of its KV cache (kvtui.engine.serving)."""
+    server = run.server
+    m = server.latest
+    check = server.capacity(run.started)
+    capacity: dict[str, Any] | str = (
+        check
+        if isinstance(check, str)
+        else {
+            "blocks": check.blocks,
+            "block_tokens": check.block_tokens,
+            "tokens": check.tokens,
+            "memory_bytes": check.memory_bytes,
+            "kv_dtype": check.kv_dtype,
+            "kv_bytes_per_token": check.kv_bytes_per_token,
+            "predicted_blocks": check.predicted_blocks,
+            "predicted_tokens": check.predicted_tokens,
+            "override": check.override,
+            "agree": check.agree,
+        }
+    )
+    return {
+        "polls": server.polls,
+        "failed_polls": server.failed,
+        "error": server.error,
+        "found": list(m.found) if m is not None else [],
+        "capacity": capacity,
+        "kv_usage": m.kv_usage if m is not None else None,
+        "kv_usage_peak": server.peak_usage,
+        "requests_running": m.requests_running if m is not None else None,
+        "requests_waiting": m.requests_waiting if m is not None else None,
+        "preemptions_seen": server.preemptions_seen,
+        "prefix_queries_seen_tokens": server.prefix_queries_seen,
+        "prefix_hits_seen_tokens": server.prefix_hits_seen,
+        "ttft_mean_s": server.ttft_mean_s,
+        "ttft_requests": server.ttft_requests,
+        "itl_mean_s": server.itl_mean_s,
+    }
 
 
 def _finished(f: RunFinished | None) -> dict[str, Any] | None:
@@ -405,6 +448,47 @@ def _kv_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _served_lines(r: dict[str, Any]) -> list[str]:
+    """A served run's server, as its /metrics said, and kvtui's prediction beside it."""
+    server = r["server"]
+    lines = [
+        f"  times above: kvtui's clock, over HTTP; {r['served_by']}'s own figures "
+        f"({server['polls']} polls of its /metrics):"
+    ]
+    if server["error"]:
+        lines.append(f"  the server's metrics: {server['error']}")
+    c = server["capacity"]
+    if isinstance(c, str):
+        lines.append(f"  KV cache: {c}")
+    else:
+        lines.append(
+            f"  KV cache: {format_int(c['tokens'])} tokens = {format_int(c['blocks'])} blocks x "
+            f"{c['block_tokens']}"
+            + (
+                f"; kvtui predicts {format_int(c['predicted_blocks'])} blocks from "
+                f"{format_bytes(c['memory_bytes'])} at {format_int(c['kv_bytes_per_token'])} B "
+                f"a token ({c['kv_dtype']}): "
+                + {True: "agree", False: "DISAGREE", None: "vLLM was told its blocks"}[c["agree"]]
+                if c["predicted_blocks"] is not None
+                else ""
+            )
+        )
+    if server["kv_usage_peak"] is not None:
+        lines.append(
+            f"  usage peak {server['kv_usage_peak'] * 100:.0f}%, preemptions while watched: "
+            f"{server['preemptions_seen']}"
+        )
+    ttft, itl = server["ttft_mean_s"], server["itl_mean_s"]
+    if ttft is not None or itl is not None:
+        lines.append(
+            f"  vLLM's histograms over {server['ttft_requests']} request(s): first token "
+            + ("-" if ttft is None else f"{ttft * 1e3:.2f} ms")
+            + ", between tokens "
+            + ("-" if itl is None else f"{itl * 1e3:.2f} ms")
+        )
+    return lines
+
+
 def _flops_lines(r: dict[str, Any]) -> list[str]:
     """Per loop, the FLOPs torch counted on the sampled steps against the formula's for them
     (none for an engine that counts none: `sim:`, `replay:` of one)."""
@@ -466,10 +550,12 @@ def format_table(r: dict[str, Any]) -> str:
             ms(r["cached"]["step_ms_last_quartile"]),
             ms(r["uncached"]["step_ms_last_quartile"]),
         ),
-        ("positions computed", format_int(r["work_cached"]), format_int(r["work_uncached"])),
+        ("positions computed", *(format_int(r[k] or 0) for k in ("work_cached", "work_uncached"))),
     ]
     if r["batch"] > 1:
         rows.insert(2, ("tokens/s, all sequences", *both("tokens_per_s_total", tps)))
+    if r["served_by"]:  # positions are the server's: not observed over HTTP
+        rows = [row for row in rows if not row[0].startswith("positions")]
     width = max(len(row[0]) for row in rows)
     lines = [
         f"{r['model']} on {r['device']} ({r['dtype']}"
@@ -492,7 +578,7 @@ def format_table(r: dict[str, Any]) -> str:
             f"  speedup: {format_ratio(r['speedup_wall'])} {r['timing']}, "
             f"{format_ratio(r['work_ratio'])} in positions computed"
         )
-    lines += _kv_lines(r)
+    lines += _served_lines(r) if r["served_by"] else _kv_lines(r)
     if r["achieved_bandwidth_bytes_per_s"]:
         peak = r["peak_bandwidth_bytes_per_s"]
         lines.append(

@@ -17,13 +17,16 @@ on kvtui's clock.
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from kvtui.engine.client import Server, ServerError, ServerURL
 from kvtui.engine.protocol import EngineError
@@ -290,3 +293,87 @@ def format_result(result: LoadResult) -> str:
         )
     lines += [f"  {error}" for error in r["errors"]]
     return "\n".join(lines)
+
+
+class LoadProcess:
+    """`kvtui load` in a process of its own, started from the app (`f` on screen 3): the load's
+    threads never share the UI's interpreter, it is bounded as the command is, and closing it
+    (a restart, quitting) ends it and, with its connections, its requests on the server."""
+
+    def __init__(self, plan: LoadPlan) -> None:
+        self.plan = plan
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._out: IO[bytes] | None = None
+        self._err: IO[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        """The `kvtui load` command line of the plan."""
+        p = self.plan
+        return [
+            "load",
+            str(p.url),
+            f"--concurrency={p.concurrency}",
+            f"--prompt-tokens={p.prompt_tokens}",
+            f"--max-tokens={p.max_tokens}",
+            f"--requests={p.requests}",
+            f"--seconds={p.seconds:g}",
+            f"--shared-prefix={p.shared_prefix_tokens}",
+            f"--seed={p.seed}",
+            "--json",
+        ]
+
+    def start(self) -> None:
+        from kvtui.engine.process import CHILD_CWD, child_command
+
+        main = f"from kvtui.cli import main\nraise SystemExit(main({self.argv()!r}))"
+        self._out = tempfile.TemporaryFile()  # noqa: SIM115
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            child_command(main),
+            stdin=subprocess.DEVNULL,
+            stdout=self._out,
+            stderr=self._err,
+            cwd=CHILD_CWD,
+            start_new_session=True,
+        )
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def outcome(self) -> str:
+        """What the load did, in a line, once it has ended (its JSON's figures, or why it
+        failed); empty while it runs."""
+        proc = self._proc
+        if proc is None or proc.poll() is None or self._out is None or self._err is None:
+            return ""
+        self._out.seek(0)
+        try:
+            r = json.loads(self._out.read(MAX_OUTPUT_BYTES))
+            return (
+                f"{r['done']:,} of {r['requests']:,} requests done ({r['cut']:,} cut short, "
+                f"{r['failed']:,} failed), {r['tokens']:,} tokens in {r['seconds']:.1f} s"
+            )
+        except (ValueError, KeyError, TypeError):
+            self._err.seek(0)
+            lines = self._err.read(MAX_OUTPUT_BYTES).decode("utf-8", "replace").splitlines()
+            return lines[-1].strip() if lines else f"the load exited with status {proc.returncode}"
+
+    def close(self, timeout: float = 2.0) -> None:
+        """End the load now (its requests are closed) and reap it."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for stream in (self._out, self._err):
+            if stream is not None:
+                stream.close()
+        self._out = self._err = None
+
+
+MAX_OUTPUT_BYTES = 2**20
+"""The most of a load process's output read back."""

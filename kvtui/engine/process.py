@@ -56,16 +56,22 @@ spec = importlib.util.spec_from_file_location(
 kvtui = importlib.util.module_from_spec(spec)
 sys.modules["kvtui"] = kvtui
 spec.loader.exec_module(kvtui)
-from kvtui.engine.process import child_main
-raise SystemExit(child_main())
+{main}
 """
 
+ENGINE_MAIN = "from kvtui.engine.process import child_main\nraise SystemExit(child_main())"
+"""What the engine's child runs, once kvtui is imported."""
 
-def child_command() -> list[str]:
+
+def child_command(main: str = ENGINE_MAIN) -> list[str]:
     """The engine's command line: isolated mode (`-I`), unbuffered (`-u`), and a bootstrap that
-    imports kvtui from `_PACKAGE` by its path, not by searching `sys.path`."""
+    imports kvtui from `_PACKAGE` by its path, not by searching `sys.path`, then runs `main`
+    (the engine's loop; `kvtui load` for the app's load, kvtui.engine.load.LoadProcess)."""
     code = _BOOTSTRAP.format(
-        init=str(_PACKAGE / "__init__.py"), package=str(_PACKAGE), user_sites=_user_sites()
+        init=str(_PACKAGE / "__init__.py"),
+        package=str(_PACKAGE),
+        user_sites=_user_sites(),
+        main=main,
     )
     return [sys.executable, "-I", "-u", "-c", code]
 

@@ -270,6 +270,8 @@ class VLLMEngine:
                         step += 1
                     last = item.at
                 elif isinstance(item, _Ended):
+                    if self._poller is not None:  # the figures with this request finished
+                        yield self._poller.poll()
                     if item.error:
                         yield RunFinished("cached", "error", step, item.error)
                     else:

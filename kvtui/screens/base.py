@@ -216,6 +216,8 @@ class WorkScreen(LessonScreen):
             words.append(f"r runs {self.length:,} tokens (this run: {live.run_tokens:,})")
         if (past := live.past_training()) is not None:
             words.append(f"from token {past:,} past the context the model was trained on")
+        if live.server is not None:
+            words.append("a vLLM server always keeps its KV cache: no uncached loop (screen 3)")
         return " · ".join(words)
 
     def show_run_note(self) -> None:
@@ -224,4 +226,7 @@ class WorkScreen(LessonScreen):
             return
         note = self.query_one("#run-note", Note)
         note.show(self.run_note())
-        note.set_class(self.pending() or self.run.past_training() is not None, "-beyond")
+        note.set_class(
+            self.pending() or self.run.past_training() is not None or self.run.server is not None,
+            "-beyond",
+        )

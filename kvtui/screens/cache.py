@@ -20,6 +20,7 @@ from kvtui.sim.work import compute_bound_positions
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, downsample, fitting_ticks, nice_ticks
 from kvtui.widgets.note import Note
+from kvtui.widgets.served import latency_words
 from kvtui.widgets.stream import TokenStream
 
 CAPTION = "{uncached} without a cache   {cached} with a cache   (counted by the engine)   x: tokens"
@@ -133,6 +134,9 @@ class CacheScreen(WorkScreen):
             mark.show("… comparing the two streams")
 
     def _why(self) -> str:
+        if self.run.server is not None:  # a vllm: run: the server's latency beside ours
+            cached = self.run.summary.loop("cached")
+            return latency_words(self.run.server, cached.ttft_s, cached.tpot_s)
         if self.run.how != "measured":
             return self._why_modelled()
         cached = self.run.loop("cached").step_seconds
@@ -192,6 +196,8 @@ class CacheScreen(WorkScreen):
         n = self.run.run_tokens
         top = 1
         loops = ("uncached", "cached") if self.cache_on else ("uncached",)
+        if self.run.server is not None:  # a served run: the server's positions, not observed
+            loops = ()
         for loop in loops:
             xs, ys = self._series(self.run.loop(loop), points, cumulative)
             if xs:
@@ -205,7 +211,12 @@ class CacheScreen(WorkScreen):
         plt.yticks(yt, [format_tick(t) for t in yt])
 
     def _draw_per_step(self, plt: Plot, points: int) -> None:
-        plt.title("Positions computed per step")
+        served = self.run.server is not None
+        plt.title(
+            "Positions computed: the server's, not seen over HTTP"
+            if served
+            else "Positions computed per step"
+        )
         self._draw("per-step", plt, points, cumulative=False)
 
     def _draw_cumulative(self, plt: Plot, points: int) -> None:

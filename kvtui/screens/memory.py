@@ -49,6 +49,7 @@ from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
+from kvtui.widgets.served import ServedCache
 from kvtui.widgets.vram import Bar, Part, VramBar, whatif_bar
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -118,6 +119,7 @@ class MemoryScreen(LessonScreen):
         Binding("right_square_bracket", "app.budget(1)", "Budget +", show=False),
         Binding("backslash", "app.budget(0)", "Default budget", show=False),
         Binding("n", "app.batch", "Batch", show=False),
+        Binding("f", "app.fill", "Fill vLLM"),
         Binding("left", "context(-1)", "Context -", show=False),
         Binding("plus,equals_sign", "context_scale(2)", "Context x2", show=False),
         Binding("minus", "context_scale(0.5)", "Context /2", show=False),
@@ -150,6 +152,7 @@ class MemoryScreen(LessonScreen):
         """The running `--model DIR`'s shape, read from its config.json, once it has run."""
 
     def compose_body(self) -> ComposeResult:
+        yield ServedCache(id="served")  # a vllm: run's server, in place of the live pool
         yield VramBar(id="live-bar")
         yield Static("", id="live-status")
         yield Static("", id="whatif-title")
@@ -349,6 +352,10 @@ class MemoryScreen(LessonScreen):
         return " (an example GPU: none here)" if self.device_gpu is None else ""
 
     def redraw(self) -> None:
+        server, started = self.run.server, self.run.started
+        self.set_class(server is not None, "-served")
+        if server is not None:
+            self.query_one("#served", ServedCache).show(server, started, self.run.settings.engine)
         self._show_live_pool()
         self.query_one("#live-line", Static).update(self._live_words())
         self.query_one("#memory-chart", Chart).draw(self._draw_memory)
