@@ -199,6 +199,8 @@ class EventStream:
         self._server, self._conn, self._response = server, conn, response
         self._closed = threading.Event()
         self._reading = False
+        self.done = False
+        """Whether the stream ended with its `[DONE]` (else the connection closed before)."""
 
     def __iter__(self) -> Iterator[Any]:
         self._reading = True
@@ -214,6 +216,7 @@ class EventStream:
                     continue
                 payload = text[5:].strip()
                 if payload == "[DONE]":
+                    self.done = True
                     return
                 try:
                     yield json.loads(payload)

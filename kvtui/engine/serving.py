@@ -173,7 +173,7 @@ class ServerWatch:
         return self._mean("itl")
 
     def capacity(self, started: RunStarted | None) -> CapacityCheck | str:
-        """The server's KV cache beside kvtui's prediction, or why there is none, in words."""
+        """The server's KV cache beside kvtui's prediction, or why there is neither, in words."""
         m = self.latest
         if m is None:
             return self.error or "no figures from the server yet"
@@ -181,14 +181,14 @@ class ServerWatch:
             return "the server reports no KV-cache blocks (vllm:cache_config_info)"
         if started is None or not started.kv_bytes_per_token:
             why = started.kv_pool_source if started is not None else ""
-            return f"no prediction: {why or 'the model config is unknown'}"
+            return why or "the model's config.json is unknown"
         per_token, dtype, source = started.kv_bytes_per_token, started.dtype, "config.json"
         cache = m.kv_cache_dtype
         if cache and cache != "auto":
             try:
                 dtype = normalize_dtype(cache)
             except UnknownNameError:
-                return f"no prediction: the server's KV dtype {cache!r} is not one kvtui knows"
+                return f"the server's KV dtype {cache!r} is not one kvtui knows"
             scale = Fraction(dtype_bytes(dtype)) / Fraction(dtype_bytes(started.dtype))
             per_token = math.ceil(per_token * scale)
             source = "the server's cache_dtype"

@@ -280,6 +280,10 @@ class VLLMEngine:
         finally:
             self._close_stream()
 
+    def poll(self) -> ServerMetrics:
+        """The server's figures now: one read of its /metrics, on this thread."""
+        return _Poller(Server(self.served.url), self._events, self._opened).poll()
+
     def watch(self, control: RunControl) -> Iterator[ServerMetrics]:
         """The server's polls after the run's loops have ended, until the run is stopped."""
         self._start_polling()
@@ -329,8 +333,8 @@ class VLLMEngine:
         streamed = 0
         url = self.served.url
         try:
-            self._stream = Server(url).stream("/v1/completions", self.request())
-            for chunk in self._stream:
+            stream = self._stream = Server(url).stream("/v1/completions", self.request())
+            for chunk in stream:
                 at = time.perf_counter()
                 choice = _choice(chunk)
                 if choice is None:
@@ -343,9 +347,10 @@ class VLLMEngine:
                     streamed += len(ids)
                     self._events.put(_Token(list(ids), str(text), at))
             if streamed < self.settings.tokens:
+                how = "ended the stream" if stream.done else "stopped streaming"
                 self._events.put(
                     _Ended(
-                        f"the server at {url} ended the stream after {streamed:,} of "
+                        f"the vLLM server at {url} {how} after {streamed:,} of "
                         f"{self.settings.tokens:,} tokens"
                     )
                 )

