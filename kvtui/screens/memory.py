@@ -119,7 +119,7 @@ class MemoryScreen(LessonScreen):
         Binding("right_square_bracket", "app.budget(1)", "Budget +", show=False),
         Binding("backslash", "app.budget(0)", "Default budget", show=False),
         Binding("n", "app.batch", "Batch", show=False),
-        Binding("f", "app.fill", "Fill vLLM"),
+        Binding("f", "app.fill", "Fill"),
         Binding("left", "context(-1)", "Context -", show=False),
         Binding("plus,equals_sign", "context_scale(2)", "Context x2", show=False),
         Binding("minus", "context_scale(0.5)", "Context /2", show=False),

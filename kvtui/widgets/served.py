@@ -5,12 +5,13 @@ pure read of the run (kvtui.engine.serving folds it)."""
 
 from __future__ import annotations
 
+from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
 from kvtui.engine.client import ServerURL
 from kvtui.engine.protocol import EngineError, RunStarted
-from kvtui.engine.serving import CapacityCheck, ServerWatch
+from kvtui.engine.serving import ServerWatch
 from kvtui.engine.spec import parse_engine
 from kvtui.format import (
     format_bytes,
@@ -45,77 +46,6 @@ def block_cells(used: int, blocks: int, width: int) -> tuple[int, int]:
     return min(shown, cells), cells - min(shown, cells)
 
 
-def capacity_words(server: ServerWatch, check: CapacityCheck | str) -> Text:
-    """The server's capacity beside kvtui's prediction, and whether they agree."""
-    m = server.latest
-    words = Text()
-    if m is not None and m.kv_blocks is not None and m.kv_block_tokens:
-        tokens = m.kv_capacity_tokens or m.kv_blocks * m.kv_block_tokens
-        words.append(
-            f"vLLM: {format_int(tokens)} tokens = {format_int(m.kv_blocks)} blocks x "
-            f"{m.kv_block_tokens} · "
-        )
-    if isinstance(check, str):
-        words.append(f"no prediction by kvtui: {safe_text(check, one_line=True)}", style="dim")
-        return words
-    per = f"{check.block_tokens} x {format_int(check.kv_bytes_per_token)} B {check.kv_dtype}"
-    if check.predicted is not None:
-        words.append(
-            f"kvtui: {format_bytes(check.predicted.capacity_bytes)} / ({per}) = "
-            f"{format_int(check.predicted.blocks)} blocks: "
-        )
-        if check.override is not None:
-            words.append("vLLM was told its blocks (--num-gpu-blocks-override)", style="bold")
-        elif check.agree:
-            words.append("agree", style="bold green")
-        else:
-            ratio = check.ratio
-            words.append("DISAGREE" + (f" ({ratio:.2f}x)" if ratio else ""), style="bold red")
-    else:
-        words.append(
-            f"no memory figure from vLLM; at {format_int(check.kv_bytes_per_token)} B a token "
-            f"({check.kv_dtype}, kvtui) its blocks take {format_bytes(check.implied_bytes)}"
-        )
-    return words
-
-
-def request_words(server: ServerWatch) -> Text:
-    """Requests running and waiting, preemptions and the prefix cache, as vLLM reports them."""
-    m = server.latest
-    words = Text()
-    if m is None:
-        return words
-    parts = []
-    if m.requests_running is not None:
-        parts.append(f"{m.requests_running:,} running")
-    if m.requests_waiting is not None:
-        reasons = [r.replace("=", " ") for r in m.waiting_reasons if not r.endswith("=0")]
-        parts.append(
-            f"{m.requests_waiting:,} waiting" + (f" ({', '.join(reasons)})" if reasons else "")
-        )
-    words.append("requests " + ", ".join(parts) if parts else "requests: not reported")
-    seen = server.preemptions_seen
-    if seen is not None:
-        words.append(" · ")
-        words.append(
-            f"{format_count(seen, 'preemption')} while watched",
-            style="bold red" if seen else "",
-        )
-    words.append(f" · peak {format_percent(server.peak_usage)}")
-    queries, hits = server.prefix_queries_seen, server.prefix_hits_seen
-    if queries == 0:
-        words.append("\nprefix cache: no prompt looked up while watched")
-    elif queries is not None and hits is not None:
-        share = f" ({format_percent(hits / queries)})" if queries else ""
-        words.append(
-            f"\nprefix cache: {format_int(hits)} of {format_int(queries)} prompt tokens hit "
-            f"while watched{share}"
-        )
-    elif m.prefix_hit_rate is not None:
-        words.append(f"\nprefix cache hit rate {format_percent(m.prefix_hit_rate)}")
-    return words
-
-
 def latency_words(server: ServerWatch | None, ttft: float | None, tpot: float | None) -> str:
     """Time to first token and per later token, measured here (client-side, over HTTP: `ttft`,
     `tpot`) beside the server's own histograms (their means over the requests it finished while
@@ -138,9 +68,19 @@ def latency_words(server: ServerWatch | None, ttft: float | None, tpot: float | 
     )
 
 
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int) -> str:
+    """The newest `width` values (each 0 to 1) as one line of block characters."""
+    top = len(SPARKS) - 1
+    return "".join(SPARKS[max(0, min(top, round(v * top)))] for v in values[-width:])
+
+
 class ServedCache(Widget):
     """vLLM's KV cache, live: a cell per block (in use, free), its capacity beside kvtui's
-    prediction, requests, preemptions and prefix hits; red while full. `show` draws a run."""
+    prediction, requests, preemptions and prefix hits, its usage over the last minutes; red
+    while full. `show` draws a served run."""
 
     DEFAULT_CSS = """
     ServedCache {
@@ -154,10 +94,18 @@ class ServedCache(Widget):
     ServedCache > .served--used { background: $warning; }
     ServedCache.-full > .served--used { background: $error; }
     ServedCache > .served--free { background: $surface-lighten-1; }
-    ServedCache > .served--error { color: $error; text-style: bold; }
+    ServedCache > .served--bad { color: $error; text-style: bold; }
+    ServedCache > .served--good { color: $success; text-style: bold; }
+    ServedCache > .served--spark { color: $warning; }
     """
 
-    COMPONENT_CLASSES = {"served--used", "served--free", "served--error"}
+    COMPONENT_CLASSES = {
+        "served--used",
+        "served--free",
+        "served--bad",
+        "served--good",
+        "served--spark",
+    }
 
     def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
@@ -175,6 +123,9 @@ class ServedCache(Widget):
         self.border_subtitle = f"{where} · /metrics twice a second" if where else ""
         self.refresh(layout=True)
 
+    def _style(self, name: str) -> Style:
+        return self.get_component_rich_style(f"served--{name}")
+
     def render(self) -> Text:
         server = self._server
         if server is None:
@@ -184,16 +135,15 @@ class ServedCache(Widget):
         if server.error:
             last = " The figures below are its last." if m is not None else ""
             lines.append(
-                Text(
-                    f"{safe_text(server.error, one_line=True)}.{last}",
-                    style=self.get_component_rich_style("served--error"),
-                )
+                Text(f"{safe_text(server.error, one_line=True)}.{last}", self._style("bad"))
             )
         if m is not None:
-            lines.append(self._blocks(server))
-            lines.append(capacity_words(server, server.capacity(self._started)))
-            lines.append(request_words(server))
-            lines.append(self._fill_words(server))
+            lines += [
+                self._blocks(server),
+                *self._capacity(server),
+                *self._requests(server),
+                self._history(server),
+            ]
         elif not server.error:
             lines.append(Text("Waiting for the server's first figures...", style="dim"))
         return Text("\n").join(lines)
@@ -203,30 +153,104 @@ class ServedCache(Widget):
         assert m is not None  # render draws blocks only with figures
         usage = m.kv_usage or 0.0
         line = Text(no_wrap=True, overflow="ellipsis")
-        if m.kv_blocks:
+        summary = f" {format_percent(usage)} in use, peak {format_percent(server.peak_usage)}"
+        if m.kv_blocks:  # vLLM reports a share: the cells are that share of its blocks
+            summary = f" {format_percent(usage)} of {format_int(m.kv_blocks)} blocks in use, peak "
+            summary += format_percent(server.peak_usage)
             used = round(usage * m.kv_blocks)
-            blocks = f"{format_int(used)}/{format_int(m.kv_blocks)}"
-            summary = f" {blocks} blocks in use ({format_percent(usage)})"
             width = max(4, self.content_size.width - len(summary))
             on, off = block_cells(used, m.kv_blocks, width)
-            line.append("▇" * on, style=self.get_component_rich_style("served--used"))
-            line.append(" " * off, style=self.get_component_rich_style("served--free"))
-            line.append(summary, style="bold" if usage >= FULL else "")
-        else:
-            line.append(f"KV cache usage {format_percent(usage)} (vLLM's figure)")
+            line.append("▇" * on, style=self._style("used"))
+            line.append(" " * off, style=self._style("free"))
+        line.append(summary, style="bold" if usage >= FULL else "")
         return line
 
-    def _fill_words(self, server: ServerWatch) -> Text:
+    def _capacity(self, server: ServerWatch) -> list[Text]:
+        """vLLM's capacity, then kvtui's prediction of it and whether they agree."""
+        m, check = server.latest, server.capacity(self._started)
+        lines = []
+        if m is not None and m.kv_blocks is not None and m.kv_block_tokens:
+            tokens = m.kv_capacity_tokens or m.kv_blocks * m.kv_block_tokens
+            lines.append(
+                Text(
+                    f"vLLM: {format_int(tokens)} tokens = {format_int(m.kv_blocks)} blocks of "
+                    f"{m.kv_block_tokens} tokens"
+                )
+            )
+        if isinstance(check, str):
+            lines.append(Text(f"kvtui: no prediction, {safe_text(check, one_line=True)}", "dim"))
+            return lines
+        words = Text()
+        if check.predicted is not None:
+            words.append(
+                f"kvtui: {format_bytes(check.predicted.capacity_bytes)} / ({check.block_tokens} x "
+                f"{format_int(check.kv_bytes_per_token)} B, {check.kv_dtype}) = "
+                f"{format_int(check.predicted.blocks)} blocks: "
+            )
+            if check.override is not None:
+                words.append("vLLM was told its blocks (--num-gpu-blocks-override)", "bold")
+            elif check.agree:
+                words.append("agree", self._style("good"))
+            else:
+                ratio = f" ({check.ratio:.2f}x)" if check.ratio else ""
+                words.append(f"DISAGREE{ratio}", self._style("bad"))
+        else:
+            words.append(
+                f"kvtui: vLLM gives no memory figure; at {format_int(check.kv_bytes_per_token)} "
+                f"B a token ({check.kv_dtype}) its blocks take {format_bytes(check.implied_bytes)}"
+            )
+        lines.append(words)
+        return lines
+
+    def _requests(self, server: ServerWatch) -> list[Text]:
+        """Requests running and waiting, preemptions and the prefix cache, as vLLM said."""
+        m = server.latest
+        assert m is not None  # render asks only with figures
+        parts = []
+        if m.requests_running is not None:
+            parts.append(f"{m.requests_running:,} running")
+        if m.requests_waiting is not None:
+            reasons = [r.replace("=", " ") for r in m.waiting_reasons if not r.endswith("=0")]
+            why = f" ({', '.join(reasons)})" if reasons else ""
+            parts.append(f"{m.requests_waiting:,} waiting{why}")
+        line = Text("requests " + ", ".join(parts) if parts else "requests: not reported")
+        seen = server.preemptions_seen
+        if seen is not None:
+            line.append(" · ")
+            line.append(
+                f"{format_count(seen, 'preemption')} while watched",
+                self._style("bad") if seen else "",
+            )
+        queries, hits = server.prefix_queries_seen, server.prefix_hits_seen
+        if queries == 0:
+            prefix = "prefix cache: no prompt looked up while watched"
+        elif queries is not None and hits is not None:
+            prefix = (
+                f"prefix cache: {format_int(hits)} of {format_int(queries)} prompt tokens hit "
+                f"while watched ({format_percent(hits / queries)})"
+            )
+        elif m.prefix_hit_rate is not None:
+            prefix = f"prefix cache hit rate {format_percent(m.prefix_hit_rate)}"
+        else:
+            prefix = "prefix cache: not reported"
+        return [line, Text(prefix)]
+
+    def _history(self, server: ServerWatch) -> Text:
+        """Usage over the newest polls, and what `f` would put on the server."""
         from kvtui.engine.load import fill_plan  # the load's modules, only for a served run
 
+        polls = list(server.usage)
+        usage = [u for _, u in polls]
         m, url, started = server.latest, self._url, self._started
-        if m is None or url is None or not m.kv_capacity_tokens:
-            return Text("")
-        limit = started.max_positions if started is not None else None
-        plan = fill_plan(url, m.kv_capacity_tokens, limit)
-        return Text(
-            f"f fills it: {plan.requests} requests of {format_int(plan.prompt_tokens)} + "
-            f"{format_int(plan.max_tokens)} tokens, 2x its {format_int(m.kv_capacity_tokens)} "
-            "(kvtui load)",
-            style="dim",
-        )
+        tail = ""
+        if m is not None and url is not None and m.kv_capacity_tokens:
+            limit = started.max_positions if started is not None else None
+            plan = fill_plan(url, m.kv_capacity_tokens, limit)
+            tail = f"  f: {plan.requests} x ({plan.prompt_tokens} + {plan.max_tokens}) tokens"
+        width = max(8, self.content_size.width - len("usage ") - len(" 300 s") - len(tail))
+        shown = min(len(usage), width)
+        line = Text("usage ", no_wrap=True, overflow="ellipsis")
+        line.append(sparkline(usage, width).ljust(width), self._style("spark"))
+        span = polls[-1][0] - polls[-shown][0] if shown else 0.0  # the polls' own clock
+        line.append(f" {span:>3.0f} s" + tail, "dim")
+        return line

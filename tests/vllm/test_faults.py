@@ -65,7 +65,7 @@ async def test_the_app_stays_up_when_the_server_dies_and_says_so():
     app = make_app(settings(server.url), 3, probe=NO_GPU_PROBE)
     try:
         async with app.run_test(size=(100, 30)) as pilot:
-            await wait_for(pilot, lambda: "blocks in use" in screen_text(app), timeout=30)
+            await wait_for(pilot, lambda: "of 40 blocks in use" in screen_text(app), timeout=30)
             await wait_for(pilot, lambda: "connection refused" in screen_text(app), timeout=30)
             text = screen_text(app)
             assert "The figures below are its last" in text

@@ -86,7 +86,7 @@ async def test_the_app_watches_a_load_fill_vllms_cache_preempt_and_drain(vllm_se
     app = make_app(served(vllm_server, tokens=16), 3, probe=NO_GPU_PROBE)
     seen: list = []
     async with app.run_test(size=(100, 30), message_hook=seen.append) as pilot:
-        await wait_for(pilot, lambda: "0/40 blocks in use" in screen_text(app), timeout=60)
+        await wait_for(pilot, lambda: "0% of 40 blocks in use" in screen_text(app), timeout=60)
         await wait_for(pilot, lambda: "= 40 blocks: agree" in screen_text(app), timeout=10)
         await pilot.press("f")  # 16 requests of 64 + 96 tokens: twice the cache
         run = lambda: app.live_run.server  # noqa: E731
@@ -97,6 +97,6 @@ async def test_the_app_watches_a_load_fill_vllms_cache_preempt_and_drain(vllm_se
         ended = lambda: [n for n in notifications_in(seen) if "requests done" in n]  # noqa: E731
         await wait_for(pilot, ended, timeout=120)
         assert "16 of 16 requests done (0 cut short, 0 failed)" in ended()[0]
-        await wait_for(pilot, lambda: "0/40 blocks in use (0%)" in screen_text(app), timeout=30)
+        await wait_for(pilot, lambda: "0% of 40 blocks in use" in screen_text(app), timeout=30)
         waited = [u for _, u in run().usage]
         assert max(waited) >= 0.9 and waited[-1] == 0.0  # it rose, and fell
