@@ -12,8 +12,10 @@ outgrew one GPU would. What is measured, and by whom, is said everywhere:
   FLOPs and KV bytes are 0 in its `StepSample`, never the formula's figure under a measured
   caption (`RunStarted.served_by` says the run is a served one, and the screens show the
   server's own figures instead);
-- `/metrics` is polled every POLL_INTERVAL_S (2 a second) by a thread of its own, while the
-  completion streams and after it, until the run is stopped (`watch`), and each poll becomes a
+- `/metrics` is read once before the request (the baseline of what it changes, and so that
+  kvtui's own poll does not delay its first token), then every POLL_INTERVAL_S (2 a second) by a
+  thread of its own, while the completion streams and after it, until the run is stopped
+  (`watch`), and once more when it has finished; each poll becomes a
   `ServerMetrics` event of the server's figures (kvtui.engine.metrics), or of why there are none
   (no answer, no such metrics);
 - kvtui's own prediction of the server's KV cache comes from the model's `config.json`, when it
@@ -156,9 +158,8 @@ class _Poller(threading.Thread):
         return ServerMetrics(max(0.0, time.monotonic() - self.opened), error=error)
 
     def run(self) -> None:
-        while not self.stopped.is_set():
+        while not self.stopped.wait(POLL_INTERVAL_S):
             self.out.put(self.poll())
-            self.stopped.wait(POLL_INTERVAL_S)
 
 
 @dataclass
@@ -248,6 +249,7 @@ class VLLMEngine:
         if loop == "uncached":  # a server keeps its KV cache: there is no uncached loop to watch
             yield RunFinished("uncached", "done", 0)
             return
+        yield self.poll()  # the figures before the request: what it changes is measured from here
         self._start_polling()
         t0 = time.perf_counter()
         threading.Thread(target=self._read_stream, name="kvtui-vllm-stream", daemon=True).start()

@@ -4,6 +4,7 @@ one line (exit 2) or a line on screen, and the app stays up. No vLLM needed."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 
@@ -56,7 +57,7 @@ def test_a_server_killed_mid_run_ends_the_loop_and_the_polls_say_so():
     assert finished[-1].reason == "error"
     assert "stopped streaming after 12 of 40 tokens" in finished[-1].message
     errors = [e.error for e in events if isinstance(e, ServerMetrics) and e.error]
-    assert errors and "connection refused" in errors[-1]
+    assert errors and re.search(r"no answer from .*: connection (refused|reset)", errors[-1])
     assert all(s.positions_computed == 0 and s.kv_bytes == 0 for s in steps)  # not observed
 
 
@@ -66,7 +67,8 @@ async def test_the_app_stays_up_when_the_server_dies_and_says_so():
     try:
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: "of 40 blocks in use" in screen_text(app), timeout=30)
-            await wait_for(pilot, lambda: "connection refused" in screen_text(app), timeout=30)
+            gone = lambda: re.search("connection (refused|reset)", screen_text(app))  # noqa: E731
+            await wait_for(pilot, gone, timeout=30)
             text = screen_text(app)
             assert "The figures below are its last" in text
             assert "stopped streaming after 20 of 40 tokens" in text  # the header: failed
@@ -217,7 +219,7 @@ def test_a_server_that_is_not_openai_compatible_is_one_line(capsys):
 def test_only_the_url_given_is_asked(fake):
     engine = open_engine(settings(fake.url, tokens=4))
     stop = RunControl()
-    threading.Timer(2.0, stop.stop).start()
+    threading.Timer(1.2, stop.stop).start()  # two polls after the run
     list(run_events(engine, settings(fake.url, tokens=4), stop, watch=True))
     engine.close()
     paths = {request.split()[1] for request in fake.requests}
