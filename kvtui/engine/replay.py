@@ -197,13 +197,15 @@ class ReplayEngine:
     def started(self) -> RunStarted:
         return next(e for e in self.events if isinstance(e, RunStarted))
 
-    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
+    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished | ServerMetrics, None, None]:
         for event in self.events:
             if isinstance(event, StepSample) and event.loop == loop:
                 if self.settings.replay_speed > 0:
                     pace = event.step_seconds / self.settings.replay_speed
                     time.sleep(min(pace, MAX_STEP_SECONDS))
                 yield event
+            elif isinstance(event, ServerMetrics) and loop == "cached":
+                yield event  # a served run's polls, where they came (its one loop is cached)
             elif isinstance(event, RunFinished) and event.loop == loop:
                 yield event
                 return

@@ -359,9 +359,8 @@ class VLLMEngine:
             else:
                 self._events.put(_Ended())
         except ServerError as exc:
-            self._events.put(
-                _Ended(f"the vLLM server stopped answering after {streamed:,} tokens: {exc}")
-            )
+            what = f"stopped answering after {streamed:,} tokens" if streamed else "failed"
+            self._events.put(_Ended(f"the vLLM server's completion {what}: {exc}"))
         except Exception as exc:  # a thread's failure becomes the loop's, in one line
             self._events.put(_Ended(f"reading the stream failed: {_error_of(exc)}"))
 

@@ -4,6 +4,7 @@ one line (exit 2) or a line on screen, and the app stays up. No vLLM needed."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -224,3 +225,15 @@ def test_only_the_url_given_is_asked(fake):
     engine.close()
     paths = {request.split()[1] for request in fake.requests}
     assert paths == {"/v1/models", "/version", "/tokenize", "/v1/completions", "/metrics"}
+
+
+def test_a_served_run_records_and_replays_with_its_servers_figures(fake, tmp_path, capsys):
+    record = tmp_path / "served.jsonl"
+    argv = ["bench", "--engine", f"vllm:{fake.url}", "--tokens", "8", "--greedy", "--json"]
+    assert main([*argv, "--record", str(record)]) == 0
+    live = json.loads(capsys.readouterr().out)
+    assert main(["bench", "--engine", f"replay:{record}", "--replay-speed", "0", "--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["token_ids"] == live["token_ids"] and replayed["served_by"]
+    assert replayed["server"]["polls"] == live["server"]["polls"] >= 2
+    assert replayed["server"]["capacity"] == live["server"]["capacity"]
