@@ -25,6 +25,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
   v            work per step or running totals (2, short terminals)
   [ ] \\        next run's KV budget: smaller, larger, default (3)
   n            next run's batch: 1, 2, 4 ... 64 sequences (3)
+  f            fill a vllm:URL server's KV cache: a bounded load (3)
   m g k b      what-if model, GPU, KV dtype, batch (3)
   t            explain it back: the lesson's questions
   ctrl+p       command palette: engine, model and GPU
