@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from th
 
 from kvtui.engine.loops import Sampling, encode_text, generate, never  # noqa: E402
 from kvtui.engine.protocol import DEFAULT_PROMPT  # noqa: E402
+from kvtui.gpu.export import hf_state_dict  # noqa: E402
 from kvtui.gpu.kernels import Linear  # noqa: E402
 from kvtui.gpu.load import TINY_ARGS, load_tiny  # noqa: E402
 from kvtui.gpu.model import ModelArgs, Transformer  # noqa: E402
@@ -97,41 +98,11 @@ def hf_config(args: ModelArgs):
     )
 
 
-def _interleaved_to_halves(head_dim: int) -> torch.Tensor:
-    """Row order that turns our RoPE pairs (x[2i], x[2i+1]) into HF's (x[i], x[i + head_dim/2])."""
-    return torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
-
-
-def _permute_heads(w: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
-    """Apply `_interleaved_to_halves` to the rows of every head of a q or k projection."""
-    order = _interleaved_to_halves(head_dim)
-    return w.view(n_heads, head_dim, -1)[:, order].reshape(n_heads * head_dim, -1)
-
-
 @torch.no_grad()
 def copy_weights(ours: Transformer, hf) -> None:
-    """Our fused `wqkv` / `w13` into HF's q/k/v/o and gate/up/down, RoPE rows permuted.
-
-    HF Llama rotates halves (`rotate_half`); ours rotates interleaved pairs. Permuting the rows of
-    each q and k head the same way leaves every q.k product, and so the attention, unchanged.
-    """
-    a = ours.args
-    q_dim, kv_dim = a.n_head * a.head_dim, a.n_kv_head * a.head_dim
-    hf.model.embed_tokens.weight.copy_(ours.tok_embeddings.weight)
-    for mine, theirs in zip(ours.layers, hf.model.layers, strict=True):
-        wq, wk, wv = mine.attention.wqkv.weight.split((q_dim, kv_dim, kv_dim), dim=0)
-        theirs.self_attn.q_proj.weight.copy_(_permute_heads(wq, a.n_head, a.head_dim))
-        theirs.self_attn.k_proj.weight.copy_(_permute_heads(wk, a.n_kv_head, a.head_dim))
-        theirs.self_attn.v_proj.weight.copy_(wv)
-        theirs.self_attn.o_proj.weight.copy_(mine.attention.wo.weight)
-        gate, up = mine.feed_forward.w13.weight.chunk(2, dim=0)
-        theirs.mlp.gate_proj.weight.copy_(gate)
-        theirs.mlp.up_proj.weight.copy_(up)
-        theirs.mlp.down_proj.weight.copy_(mine.feed_forward.w2.weight)
-        theirs.input_layernorm.weight.copy_(mine.attention_norm.weight)
-        theirs.post_attention_layernorm.weight.copy_(mine.ffn_norm.weight)
-    hf.model.norm.weight.copy_(ours.norm.weight)
-    hf.lm_head.weight.copy_(ours.output.weight)
+    """Our weights into HF's Llama as `kvtui export-hf` writes them (kvtui.gpu.export: fused
+    `wqkv` / `w13` split, q and k rows permuted from our interleaved RoPE pairs to HF's halves)."""
+    hf.load_state_dict(hf_state_dict(ours.state_dict(), ours.args))
 
 
 def build_hf(ours: Transformer):
