@@ -175,7 +175,17 @@ def run_load(
     start = time.monotonic()
     deadline = start + plan.seconds
 
+    def _note(error: str) -> None:
+        if error not in result.errors and len(result.errors) < 3:
+            result.errors.append(error)
+
+    def _failed(error: str) -> None:
+        with lock:
+            result.failed += 1
+            _note(error)
+
     def one(i: int) -> None:
+        """Request i, streamed to its end (or closed at the time limit), counted."""
         body = {
             "model": served.model,
             "prompt": prompt(i),
@@ -187,7 +197,8 @@ def run_load(
         }
         t0, got, first = time.perf_counter(), 0, None
         try:
-            stream = server.stream("/v1/completions", body, idle=plan.seconds)
+            left = max(1.0, deadline - time.monotonic())  # no read outlives the time limit
+            stream = server.stream("/v1/completions", body, idle=left)
         except ServerError as exc:
             _failed(str(exc))
             return
@@ -220,15 +231,6 @@ def run_load(
             else:
                 result.failed += 1
                 _note(f"a request ended after {got:,} of {plan.max_tokens:,} tokens")
-
-    def _note(error: str) -> None:
-        if error not in result.errors and len(result.errors) < 3:
-            result.errors.append(error)
-
-    def _failed(error: str) -> None:
-        with lock:
-            result.failed += 1
-            _note(error)
 
     def worker() -> None:
         nonlocal issued
