@@ -13,6 +13,8 @@ import pytest
 
 from kvtui.app import make_app
 from kvtui.cli import main
+from kvtui.engine.client import ServerURL
+from kvtui.engine.load import MAX_CONCURRENCY, fill_plan
 from kvtui.engine.protocol import (
     RunControl,
     RunFinished,
@@ -111,97 +113,34 @@ def test_bench_on_a_server_without_metrics_says_so(capsys):
     assert "has no /metrics (HTTP 404)" in out and "positions computed" not in out
 
 
+LOAD = "load {url} --concurrency 1 --prompt-tokens 1 --max-tokens 1"
+APP = "--engine vllm:{url}"
+
+
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--engine", "vllm:"], "needs the server's URL"),
-        (["--engine", "vllm:ftp://127.0.0.1:1"], "must start with http:// or https://"),
-        (["--engine", "vllm:http://u:p@127.0.0.1:1"], "holds credentials"),
-        (["--engine", "vllm:http://127.0.0.1:1"], "connection refused"),
-        (["bench", "--engine", "vllm:http://127.0.0.1:1"], "connection refused"),
-        (["--engine", "vllm:{url}", "--batch", "2"], "--batch applies to kvtui's own engines"),
-        (["--engine", "vllm:{url}", "--kv-budget", "1MiB"], "the server sized its own cache"),
-        (["--engine", "vllm:{url}", "--tokens", "1000"], "past the server's max_model_len of 512"),
+        ("--engine vllm:", "needs the server's URL"),
+        ("--engine vllm:ftp://127.0.0.1:1", "must start with http:// or https://"),
+        ("--engine vllm:http://u:p@127.0.0.1:1", "holds credentials"),
+        ("--engine vllm:http://127.0.0.1:1", "connection refused"),
+        ("bench --engine vllm:http://127.0.0.1:1", "connection refused"),
+        (f"{APP} --batch 2", "--batch applies to kvtui's own engines"),
+        (f"{APP} --kv-budget 1MiB", "the server sized its own cache"),
+        (f"{APP} --tokens 1000", "past the server's max_model_len of 512"),
+        ("load gopher://x --concurrency 1 --prompt-tokens 1 --max-tokens 1", "must start with"),
+        (LOAD.replace("--concurrency 1", "--concurrency 257"), "a positive integer up to 256"),
+        (f"{LOAD} --seconds 0", "expected a number from 0.1 to 3600"),
+        (f"{LOAD} --requests 10001", "up to 10,000"),
+        (f"{LOAD} --shared-prefix 2", "at most --prompt-tokens"),
         (
-            [
-                "load",
-                "gopher://x",
-                "--concurrency",
-                "1",
-                "--prompt-tokens",
-                "1",
-                "--max-tokens",
-                "1",
-            ],
-            "must start with http",
-        ),
-        (
-            ["load", "{url}", "--concurrency", "257", "--prompt-tokens", "1", "--max-tokens", "1"],
-            "expected a positive integer up to 256",
-        ),
-        (
-            [
-                "load",
-                "{url}",
-                "--concurrency",
-                "1",
-                "--prompt-tokens",
-                "1",
-                "--max-tokens",
-                "1",
-                "--seconds",
-                "0",
-            ],
-            "expected a number from 0.1 to 3600",
-        ),
-        (
-            [
-                "load",
-                "{url}",
-                "--concurrency",
-                "1",
-                "--prompt-tokens",
-                "8",
-                "--max-tokens",
-                "1",
-                "--shared-prefix",
-                "9",
-            ],
-            "at most --prompt-tokens",
-        ),
-        (
-            [
-                "load",
-                "{url}",
-                "--concurrency",
-                "1",
-                "--prompt-tokens",
-                "500",
-                "--max-tokens",
-                "100",
-            ],
+            LOAD.replace("--prompt-tokens 1", "--prompt-tokens 512"),
             "past the server's max_model_len",
-        ),
-        (
-            [
-                "load",
-                "{url}",
-                "--concurrency",
-                "1",
-                "--prompt-tokens",
-                "1",
-                "--max-tokens",
-                "1",
-                "--requests",
-                "10001",
-            ],
-            "up to 10,000",
         ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(fake, capsys, argv, says):
-    argv = [a.replace("{url}", fake.url) for a in argv]
-    assert main(argv) == 2
+    assert main(argv.replace("{url}", fake.url).split()) == 2
     err = capsys.readouterr().err
     assert says in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -237,3 +176,15 @@ def test_a_served_run_records_and_replays_with_its_servers_figures(fake, tmp_pat
     assert replayed["token_ids"] == live["token_ids"] and replayed["served_by"]
     assert replayed["server"]["polls"] == live["server"]["polls"] >= 2
     assert replayed["server"]["capacity"] == live["server"]["capacity"]
+
+
+def test_the_fill_plan_asks_for_twice_the_cache_within_max_model_len():
+    url = ServerURL.parse("http://127.0.0.1:8000")
+    small = fill_plan(url, 1280, 512)  # the test server: 40 blocks of 32
+    assert (small.concurrency, small.prompt_tokens, small.max_tokens) == (16, 64, 96)
+    assert small.concurrency * (small.prompt_tokens + small.max_tokens) == 2 * 1280
+    big = fill_plan(url, 500_000, 8192)  # a GPU's cache: requests as long as the model allows
+    assert big.prompt_tokens + big.max_tokens == 8192 and big.concurrency == 123
+    assert big.concurrency * 8192 >= 2 * 500_000 and big.requests == big.concurrency
+    huge = fill_plan(url, 10**9, 8192)
+    assert huge.concurrency == MAX_CONCURRENCY  # bounded, whatever the cache
