@@ -359,8 +359,15 @@ class VLLMEngine:
             else:
                 self._events.put(_Ended())
         except ServerError as exc:
-            what = f"stopped answering after {streamed:,} tokens" if streamed else "failed"
-            self._events.put(_Ended(f"the vLLM server's completion {what}: {exc}"))
+            if streamed:  # the same words as a stream cut short without an error, and why
+                self._events.put(
+                    _Ended(
+                        f"the vLLM server at {url} stopped streaming after {streamed:,} of "
+                        f"{self.settings.tokens:,} tokens ({exc})"
+                    )
+                )
+            else:
+                self._events.put(_Ended(f"the vLLM server's completion failed: {exc}"))
         except Exception as exc:  # a thread's failure becomes the loop's, in one line
             self._events.put(_Ended(f"reading the stream failed: {_error_of(exc)}"))
 

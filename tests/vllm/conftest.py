@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -136,17 +137,19 @@ class VLLMServer:
             return "(no log)"
 
     def stop(self) -> None:
+        """End the server's process group (SIGTERM, then SIGKILL after 30 s) and remove the
+        export and the log (a failed start has already quoted the log)."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+        if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _free_port() -> int:
