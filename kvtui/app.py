@@ -384,6 +384,11 @@ class KVApp(App[int]):
     def action_lesson(self) -> None:
         """Lesson mode on (a one-token prompt, 24 tokens: the lesson's figures, measured) or off
         (the full prompt again, at the same length); the run restarts either way."""
+        if parse_engine(self.live.settings.engine).kind == "replay":
+            self.notify(
+                "A replay plays the run as it was recorded: l is for live engines", timeout=4
+            )
+            return
         lesson = not self.live.settings.lesson
         if lesson:
             self.length = 24

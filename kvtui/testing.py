@@ -346,7 +346,9 @@ class HeadlessRun:
             shown = ", ".join(sorted(cards)) or "none"
             raise LookupError(f"no stat card #{widget_id} on this screen (its cards: {shown})")
         c = cards[widget_id]
-        return Card(str(c.border_title or ""), c.value, c.note, c.has_class("-bad"))
+        return Card(
+            str(c.border_title or ""), c.value, str(c.border_subtitle or ""), c.has_class("-bad")
+        )
 
     def figure(self, widget_id: str) -> str:
         """The figure the stat card `#widget_id` shows, as text ("300", "12.5x", "…")."""

@@ -38,6 +38,7 @@ from kvtui.engine.protocol import (
     RunFailed,
     RunFinished,
     RunSettings,
+    RunStarted,
     StepSample,
     run_events,
 )
@@ -356,16 +357,18 @@ class RecordFile:
     def start(self, settings: RunSettings) -> None:
         """The header line: the settings that ran, and when."""
         assert self._out is not None, "start() before commit() or discard()"
+        self._recorded_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         try:
-            self._writer = RecordWriter(
-                self._out, settings, recorded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z")
-            )
+            self._writer = RecordWriter(self._out, settings, recorded_at=self._recorded_at)
         except OSError as exc:
             self.discard()
             raise self._error(exc) from None
 
     def write(self, event: Event) -> None:
+        """One event; the run's start carries when it was recorded (`RunStarted.recorded_at`)."""
         assert self._writer is not None, "start() first"
+        if isinstance(event, RunStarted):
+            event = replace(event, recorded_at=self._recorded_at)
         try:
             self._writer.write(event)
         except OSError as exc:

@@ -195,7 +195,13 @@ class ReplayEngine:
         return cls(merged, header, events)
 
     def started(self) -> RunStarted:
-        return next(e for e in self.events if isinstance(e, RunStarted))
+        """The recorded start, saying when it was recorded (from the header, for a record
+        written before `RunStarted.recorded_at` was)."""
+        started = next(e for e in self.events if isinstance(e, RunStarted))
+        if started.recorded_at:
+            return started
+        when = self.header.get("recorded_at")
+        return replace(started, recorded_at=when if isinstance(when, str) and when else "unknown")
 
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished | ServerMetrics, None, None]:
         for event in self.events:

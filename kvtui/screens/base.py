@@ -144,7 +144,9 @@ class LessonScreen(Screen):
         if started is None:
             return ""
         parts = [] if started.model in self.run.settings.engine else [started.model]
-        if not started.device.startswith("sim"):
+        if self.run.replayed:
+            parts.append(f"replayed: {self.run.recorded}")
+        elif not started.device.startswith("sim"):
             parts.append(started.device)
         parts.append(started.dtype)
         if started.threads > 0:
@@ -201,14 +203,18 @@ class WorkScreen(LessonScreen):
         self.show_run_note()
 
     def pending(self) -> bool:
-        """True when `r` would run another length than the live run's."""
-        return self.length != self.run.run_tokens
+        """True when `r` would run another length than the live run's (never for a replay,
+        which plays what was recorded)."""
+        return self.length != self.run.run_tokens and not self.run.replayed
 
     def run_note(self) -> str:
         """Which run the figures are, and what `r` would run, in a line."""
         live = self.run
         words = []
-        if live.settings.lesson:
+        if live.replayed:
+            prompt = format_count(live.prompt_tokens, "prompt token")
+            words.append(f"{prompt}, as recorded (r plays it again)")
+        elif live.settings.lesson:
             words.append("lesson mode: a 1-token prompt (l: the full prompt)")
         elif live.started is not None:
             words.append(f"{format_count(live.prompt_tokens, 'prompt token')} (l: lesson mode)")

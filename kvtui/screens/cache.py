@@ -25,6 +25,8 @@ from kvtui.widgets.stream import TokenStream
 
 CAPTION = "{uncached} without a cache   {cached} with a cache   (counted by the engine)   x: tokens"
 CAPTION_NARROW = "{uncached} without a cache  {cached} with a cache  x: tokens"
+CAPTION_OFF = "{uncached} without a cache   (counted by the engine; c shows the cache)   x: tokens"
+CAPTION_OFF_NARROW = "{uncached} without a cache  (c: the cache)  x: tokens"
 
 
 def _axes(plt: Plot, length: int, top: float, rows: int) -> None:
@@ -69,9 +71,21 @@ class CacheScreen(WorkScreen):
                 yield Note(id="run-note", classes="run-note")
         yield Note(classes="narrative", id="why")
 
+    def on_mount(self) -> None:
+        super().on_mount()
+        self._show_legend()
+
     def watch_cache_on(self, cache_on: bool) -> None:
         self.set_class(not cache_on, "-cache-off")
+        self._show_legend()
         self.redraw_now()
+
+    def _show_legend(self) -> None:
+        """The charts' legend names the cached line only while it is drawn."""
+        on = self.cache_on
+        templates = (CAPTION, CAPTION_NARROW) if on else (CAPTION_OFF, CAPTION_OFF_NARROW)
+        for caption, template in zip(self.query(Caption), templates, strict=False):
+            caption.show(template)
 
     def action_toggle_totals(self) -> None:
         """On a short terminal, show the running totals instead of the work per step (or back)."""
@@ -91,27 +105,35 @@ class CacheScreen(WorkScreen):
         without.note = span
         if not self.cache_on:
             with_card.value, with_card.note = "off", "c turns it on"
-            speedup.value, speedup.note = "—", "no cache, nothing saved"
-            timed.value, timed.note = "—", "no cache to time"
+            speedup.value, speedup.note = "—", ("no cache, nothing saved", "nothing saved")
+            timed.value, timed.note = "—", ("no cache to time", "no cache")
             speedup.set_class(False, "-good")
             return
         with_card.value = format_int(cached) if n else "…"
         with_card.note = span
         speedup.value = format_ratio(uncached / cached) if n else "…"
-        speedup.note = "fewer positions"
+        speedup.note = ("fewer positions", "less work")
         speedup.set_class(n > 0, "-good")
         ratio = live.wall_speedup()
         timed.value = format_ratio(ratio) if ratio else "…"
-        timed.note = {"measured": "wall time", "modelled": "roofline"}.get(live.how, "…")
+        timed.note = {
+            "measured": "wall time",
+            "replayed": "wall time",
+            "modelled": "roofline",
+        }.get(live.how, "…")
 
     def redraw(self) -> None:
         uncached, cached = self.run.loop("uncached"), self.run.loop("cached")
-        prompt = self.run.prompt_text
+        prompt, placeholder = self.run.prompt_text, self.run.how == "modelled"
         self.query_one("#stream-uncached", TokenStream).show(
-            uncached.text, uncached.last_text, uncached.steps, prompt=prompt
+            uncached.text,
+            uncached.last_text,
+            uncached.steps,
+            prompt=prompt,
+            placeholder=placeholder,
         )
         self.query_one("#stream-cached", TokenStream).show(
-            cached.text, cached.last_text, cached.steps, prompt=prompt
+            cached.text, cached.last_text, cached.steps, prompt=prompt, placeholder=placeholder
         )
         self._show_mark()
         self.show_cards()
@@ -126,10 +148,13 @@ class CacheScreen(WorkScreen):
         diverged = self.run.first_divergence()
         mark.set_class(diverged is not None, "-diverged")
         mark.set_class(diverged is None and n > 0, "-identical")
+        both_done = all(self.run.loop(loop).finished for loop in ("uncached", "cached"))
         if diverged is not None:
             mark.show(f"✗ first divergence at step {diverged + 1:,}")
         elif n:
-            mark.show(f"✓ identical so far: {n:,} tokens")
+            mark.show(
+                f"✓ identical: {n:,} tokens" if both_done else f"✓ identical so far: {n:,} tokens"
+            )
         else:
             mark.show("… comparing the two streams")
 
@@ -137,7 +162,12 @@ class CacheScreen(WorkScreen):
         if self.run.server is not None:  # a vllm: run: the server's latency beside ours
             cached = self.run.summary.loop("cached")
             return latency_words(self.run.server, cached.ttft_s, cached.tpot_s)
-        if self.run.how != "measured":
+        if not self.cache_on:
+            return (
+                "Without a cache each step recomputes every position so far: the staircase. "
+                "c puts the cached loop beside it, one position a step."
+            )
+        if self.run.how == "modelled":
             return self._why_modelled()
         cached = self.run.loop("cached").step_seconds
         lines = [

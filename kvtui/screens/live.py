@@ -308,11 +308,33 @@ class LiveRun:
 
     @property
     def how(self) -> str:
-        """How the run's figures were had, in a word: "measured" (a torch engine, or a replay
-        of one), "modelled" (any other timing: the `sim:` engine's roofline), or "" before the
-        engine says."""
+        """How the run's figures were had, in a word, the one every screen's captions read:
+        "measured" (a torch engine, now), "replayed" (a record of a measured run, played back:
+        see `recorded`), "modelled" (any other timing: the `sim:` engine's roofline, or a record
+        of one), or "" before the engine says."""
         timing = self.timing
-        return "measured" if timing == "measured" else "modelled" if timing else ""
+        if not timing:
+            return ""
+        if timing != "measured":
+            return "modelled"
+        return "replayed" if self.replayed else "measured"
+
+    @property
+    def replayed(self) -> bool:
+        """The run is a record played back (`RunStarted.recorded_at` says when it was made)."""
+        return bool(self.started and self.started.recorded_at)
+
+    @property
+    def recorded(self) -> str:
+        """Where and when a replayed run was recorded, in words ("recorded on cpu, 2026-12-02",
+        "recorded on NVIDIA H100 80GB HBM3, 2026-12-02"); empty for a run happening now."""
+        started = self.started
+        if started is None or not started.recorded_at:
+            return ""
+        when = started.recorded_at[:10]
+        date = when if len(when) == 10 and when[4] == when[7] == "-" else "date unknown"
+        where, _, name = started.device.partition(" (")  # "cuda:0 (NVIDIA H100 80GB HBM3)"
+        return f"recorded on {name.rstrip(')') or where}, {date}"
 
     @property
     def prompt_text(self) -> str:
@@ -376,4 +398,5 @@ class LiveRun:
         cached = self.loops["cached"].finished
         if cached is not None and cached.reason == "out_of_memory":
             words += " · cached loop stopped: KV cache full"
-        return words + (" · lesson mode" if self.settings.lesson else "")
+        lesson = self.settings.lesson and not self.replayed  # a replay plays what it recorded
+        return words + (" · lesson mode" if lesson else "")

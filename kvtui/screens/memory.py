@@ -262,9 +262,12 @@ class MemoryScreen(LessonScreen):
         status.set_class(not over, "-good")
         longest = self.query_one("#max-context", StatCard)
         if b.max_context_tokens is None:
-            longest.value, longest.note = "no limit", "every layer slides"
+            longest.value, longest.note = "no limit", ("every layer slides", "all slide")
         elif b.max_context_tokens > (limit := self.model_spec().max_context):
-            longest.value, longest.note = format_int(limit), "the model's own limit"
+            longest.value, longest.note = (
+                format_int(limit),
+                ("the model's own limit", "model's limit"),
+            )
         else:
             longest.value = format_int(b.max_context_tokens)
             longest.note = f"tokens x {b.batch}"
@@ -372,9 +375,13 @@ class MemoryScreen(LessonScreen):
             bar.show(Bar((), 1), "LIVE: the running engine's memory, once it starts")
             status.update("")
             return
-        how = self.run.how
         where = safe_text(started.device.split(" (")[0], one_line=True)
-        title = f"LIVE ({how}): {safe_text(started.model, one_line=True)} on {where}"
+        model = safe_text(started.model, one_line=True)
+        title = (
+            f"REPLAY ({safe_text(self.run.recorded, one_line=True)}): {model}"
+            if self.run.replayed
+            else f"LIVE ({self.run.how}): {model} on {where}"
+        )
         if live is None:
             bar.show(Bar((), 1), f"{title}: no KV pool")
             status.update(
@@ -471,7 +478,9 @@ class MemoryScreen(LessonScreen):
         if started is None:
             return "[dim]The running engine's memory appears here once it starts.[/dim]"
         threads = format_count(started.threads, "thread") if started.threads > 0 else ""
-        lines = [f"[b]Live[/b] ({escape(self.run.timing)}{', ' + threads if threads else ''}):"]
+        how = "modelled: roofline" if self.run.how == "modelled" else self.run.how
+        head = "Replayed" if self.run.replayed else "Live"
+        lines = [f"[b]{head}[/b] ({how}{', ' + threads if threads else ''}):"]
         measured = self.run.kv_bytes_measured()
         if measured:
             held, formula = measured
@@ -481,23 +490,23 @@ class MemoryScreen(LessonScreen):
         if last and last.device_memory_bytes:
             lines.append(f"device memory in use {format_bytes(last.device_memory_bytes)}")
         achieved = self.run.achieved_bandwidth()
-        if achieved:
+        if achieved:  # the formula's bytes over the step's time: not a measurement of bytes
             peak = started.peak_bandwidth_bytes_per_s
-            if peak:
-                lines.append(
-                    f"reads {format_bandwidth(achieved)}, peak {format_bandwidth(peak)} "
-                    f"({format_percent(achieved / peak)})"
-                )
-            else:
-                lines.append(f"reads {format_bandwidth(achieved)} (peak unknown)")
+            time = "modelled" if self.run.how == "modelled" else "measured"
+            of = (
+                f", {format_percent(achieved / peak)} of {format_bandwidth(peak)}"
+                if peak
+                else " (peak unknown)"
+            )
+            lines.append(f"formula bytes / {time} time: {format_bandwidth(achieved)}{of}")
         if last and last.bytes_read and last.step > 0:
             intensity = last.flops / last.bytes_read
             ridge = started.ridge_flops_per_byte
             if ridge:
                 bound = "memory-bound" if intensity < ridge else "compute-bound"
-                lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
+                lines.append(f"formula FLOPs/byte {intensity:.1f}, ridge {ridge:.0f}: {bound}")
             else:
-                lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known for a CPU)")
+                lines.append(f"formula FLOPs/byte {intensity:.1f} (no ridge known for a CPU)")
         trace, B = self.run.loop("cached"), self.run.batch
         if trace.steps > 1 and trace.seconds_total > trace.seconds_cumulative[0] > 0:
             # prefill reads the prompt in one pass; decode writes one position per step

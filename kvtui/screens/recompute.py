@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
-from kvtui.format import format_int, format_percent, format_ratio, format_seconds, format_tick
+from kvtui.format import format_int, format_percent, format_seconds, format_tick
 from kvtui.screens.base import WorkScreen
 from kvtui.sim.work import naive_step_positions
 from kvtui.widgets.cards import StatCard
@@ -88,20 +88,24 @@ class RecomputeScreen(WorkScreen):
             done = trace.positions_cumulative[-1]  # per sequence, as the staircase
             newest = trace.last_positions
             redone = done - newest  # every position but the newest, again
-            per_step.value = format_ratio(newest)
-            per_step.note = f"step {trace.steps:,}"
+            per_step.value = format_int(newest)  # a count of positions, not a ratio
+            per_step.note = "positions"
             total.value, total.note = format_int(done), f"{trace.steps:,} steps"
             wasted.value = format_int(redone)
             wasted.note = f"{format_percent(redone / done)} redone"
             wasted.set_class(redone > 0, "-bad")
         length = self.query_one("#length", StatCard)
         length.value = format_int(self.run.run_tokens)
-        length.note = f"tokens, {trace.steps:,} done"
+        length.note = (f"tokens, {trace.steps:,} done", f"{trace.steps:,} done")
 
     def redraw(self) -> None:
         trace = self.run.loop("uncached")
         self.query_one(TokenStream).show(
-            trace.text, trace.last_text, trace.steps, prompt=self.run.prompt_text
+            trace.text,
+            trace.last_text,
+            trace.steps,
+            prompt=self.run.prompt_text,
+            placeholder=self.run.how == "modelled",
         )
         self.show_cards()
         self.show_run_note()

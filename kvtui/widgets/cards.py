@@ -9,13 +9,19 @@ from textual.widgets import Digits
 
 from kvtui.widgets.note import Note
 
-_DIGIT_CHARS = set("0123456789.x+-")
+_DIGIT_CHARS = set("0123456789.,x+-")
+"""What big digits draw (a thousands comma as a space: Textual's Digits has no comma)."""
+PLACEHOLDERS = ("…", "—", "")
+"""Figures not had yet (or not had at all): they do not hold a row's big digits back."""
 
 
 class StatCard(Widget):
-    """A bordered card: LABEL in the border, the figure in big digits when it fits (plain bold
-    text when it does not, has letters, or the card is one line tall), and a short note under
-    it."""
+    """A bordered card: LABEL in the border, the figure, and a short note under it.
+
+    The same kind of figure looks the same across a row: the cards beside each other (the
+    StatCards of one parent) draw their figures in big digits only when every one of them can
+    (a number whose digits fit, on a card at least three lines tall), else all in plain bold
+    text, so that a small "4,205" never sits beside a big "101"."""
 
     DEFAULT_CSS = """
     StatCard {
@@ -52,7 +58,9 @@ class StatCard(Widget):
     """
 
     value: reactive[str] = reactive("", layout=False)
-    note: reactive[str] = reactive("")
+    note: reactive[str | tuple[str, ...]] = reactive("")
+    """The line under the figure; or its wordings, fullest first: the first that fits the
+    card's border is shown (the last, cut, if none does)."""
 
     def __init__(
         self, label: str, value: str = "", note: str = "", *, id: str | None = None
@@ -68,25 +76,44 @@ class StatCard(Widget):
 
     def on_mount(self) -> None:
         self._show()
-        self.border_subtitle = self.note
+        self._show_note()
 
     def on_resize(self) -> None:
         self._show()
+        self._show_note()
 
     def watch_value(self) -> None:
         self._show()
 
-    def watch_note(self, note: str) -> None:
-        self.border_subtitle = note
+    def watch_note(self) -> None:
+        self._show_note()
+
+    def _show_note(self) -> None:
+        wordings = (self.note,) if isinstance(self.note, str) else self.note
+        room = self.size.width - 6  # the corners and a dash each side
+        fits = [w for w in wordings if len(w) <= room]
+        self.border_subtitle = fits[0] if fits else (wordings[-1] if wordings else "")
 
     def _show(self) -> None:
+        """Draw this card's row again: big digits for all of its figures, or for none."""
+        row = list(self.parent.query_children(StatCard)) if self.parent else [self]
+        big = all(card._can_be_big() for card in row)
+        for card in row:
+            card._draw(big)
+
+    def _can_be_big(self) -> bool:
+        if self.value in PLACEHOLDERS:
+            return True
+        width, height = self.content_size.width, self.content_size.height
+        return set(self.value) <= _DIGIT_CHARS and 3 * len(self.value) <= width and height >= 3
+
+    def _draw(self, big: bool) -> None:
         if not self.children:  # not composed yet
             return
         digits, text = self.query_one(Digits), self.query_one(".card--text", Note)
-        width, height = self.content_size.width, self.content_size.height
-        big = set(self.value) <= _DIGIT_CHARS and 3 * len(self.value) <= width and height >= 3
+        big = big and self.value not in PLACEHOLDERS
         digits.display, text.display = big, not big
         if big:
-            digits.update(self.value)
+            digits.update(self.value.replace(",", " "))
         else:
             text.show(self.value)

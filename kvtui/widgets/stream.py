@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import re
+
 from rich.console import RenderableType
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
+
+_LINE_BREAK = re.compile(r"(?<!\n)\n(?!\n)")
 
 
 def printable(text: str) -> str:
     """Text safe to lay out: control and unprintable characters (a random model emits them)
     become "·", so they cannot shift the panel's border."""
     return "".join(ch if ch.isprintable() or ch == "\n" else "·" for ch in text)
+
+
+def reflowed(text: str) -> str:
+    """Text as a paragraph a panel can wrap: a lone line break (the novels' text, and the model
+    trained on it, breaks lines at about 70 columns) becomes a space; a blank line between
+    paragraphs stays. Character for character, so positions in `text` still hold."""
+    return _LINE_BREAK.sub(" ", text)
 
 
 class TokenStream(Widget):
@@ -49,12 +60,17 @@ class TokenStream(Widget):
 
     def __init__(self, title: str, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
+        self.title = title
         self.border_title = title
 
-    def show(self, text: str, current: str, steps: int, *, prompt: str = "") -> None:
+    def show(
+        self, text: str, current: str, steps: int, *, prompt: str = "", placeholder: bool = False
+    ) -> None:
         """The text so far and the newest token's text (already at the end of `text`), after
-        the prompt (dimmed: the model's input, not its output)."""
+        the prompt (dimmed: the model's input, not its output). `placeholder`: the text is not
+        a model's (a modelled run's stand-in), and the title says so."""
         self.prompt, self.text, self.current = prompt, text, current
+        self.border_title = f"{self.title} · placeholder" if placeholder else self.title
         self.border_subtitle = f"{steps:,} tokens" if steps else ""
 
     def render(self) -> RenderableType:
@@ -62,17 +78,18 @@ class TokenStream(Widget):
             return Text(
                 self.placeholder, style=self.get_component_rich_style("stream--placeholder")
             )
-        head = self.text[: len(self.text) - len(self.current)] if self.current else self.text
-        prompt = self.prompt
         # Only the tail can show: wrap no more than twice what the panel holds.
         room = 2 * max(1, self.content_size.width) * max(1, self.content_size.height)
-        if len(head) > room:
-            head, prompt = head[-room:], ""
-        body = Text(printable(prompt), style=self.get_component_rich_style("stream--prompt"))
-        body.append(printable(head))
-        if self.current:
+        text, prompt, current = self.text, self.prompt, len(self.current)
+        if len(text) > room + current:
+            text, prompt = text[-room - current :], ""
+        whole = printable(reflowed(prompt + text))  # both keep every character's place
+        body = Text(whole[: len(prompt)], style=self.get_component_rich_style("stream--prompt"))
+        body.append(whole[len(prompt) : len(whole) - current])
+        if current:
             body.append(
-                printable(self.current), style=self.get_component_rich_style("stream--current")
+                whole[len(whole) - current :],
+                style=self.get_component_rich_style("stream--current"),
             )
         width, height = self.content_size.width, self.content_size.height
         if width <= 0 or height <= 0:

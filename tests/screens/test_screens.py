@@ -49,7 +49,7 @@ async def test_screen1_cards_are_the_positions_the_run_reported():
             assert isinstance(app.screen, RecomputeScreen)
             assert app.live.prompt_tokens == P
             assert (card(app, "per-step"), card(app, "total"), card(app, "wasted")) == (
-                f"{P + n - 1 + extra}x",
+                f"{P + n - 1 + extra}",
                 f"{total + extra:,}",
                 f"{total - (P + n - 1):,}",
             )
@@ -57,7 +57,8 @@ async def test_screen1_cards_are_the_positions_the_run_reported():
 
 async def test_lesson_mode_runs_the_lessons_prompt_and_length():
     """l restarts with a one-token prompt and 24 tokens; the positions that run reports (the
-    fake's are the counting rule's) are then the lesson's 24x, 300, 276, and screen 2's."""
+    fake's are the counting rule's) are then the lesson's 24 (the last step's positions), 300,
+    276, and screen 2's."""
     app = build(1, 32)
     async with app.run_test(size=SIZE) as pilot:
         await settle(app, pilot)
@@ -66,7 +67,7 @@ async def test_lesson_mode_runs_the_lessons_prompt_and_length():
         assert app.live.settings.lesson and app.live.prompt_tokens == 1
         assert FakeEngine.instances[-1].settings.tokens == 24
         assert (card(app, "per-step"), card(app, "total"), card(app, "wasted")) == (
-            "24x",
+            "24",
             "300",
             "276",
         )
