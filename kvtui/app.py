@@ -45,7 +45,7 @@ from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.recompute import RecomputeScreen
-from kvtui.sim.catalog import gpu_from_probe, model_names
+from kvtui.sim.catalog import GPUSpec, gpu_from_probe, model_names
 from kvtui.sim.pool import step_budget
 
 if TYPE_CHECKING:
@@ -164,8 +164,9 @@ class KVApp(App[int]):
     """The answer length: `r` runs this many tokens (screens 1 and 2 show the run's own)."""
     cache_on: var[bool] = var(True, init=False)
     """Whether screen 2 shows the cached loop beside the uncached one."""
-    device_gpu: var[str | None] = var(None, init=False)
-    """The catalog GPU this machine's device matched (by name and memory), if any."""
+    device_gpu: var[GPUSpec | None] = var(None, init=False)
+    """The GPU this machine's device is: its catalog entry (matched by name and memory), or its
+    own name and memory where the catalog has none; None without a GPU NVML can read."""
     batch: var[int] = var(1, init=False)
     """Sequences `r` decodes together (`--batch`, then screen 3's n)."""
     kv_budget: var[int | None] = var(None, init=False)
@@ -236,7 +237,6 @@ class KVApp(App[int]):
                 KVApp.length, KVApp.cache_on, run=KVApp.live_run
             ),
             "memory": MemoryScreen(self.live_run).data_bind(
-                KVApp.device_gpu,
                 KVApp.device_gpu,
                 KVApp.kv_budget,
                 KVApp.length,
@@ -542,16 +542,16 @@ class KVApp(App[int]):
                 self.longest_run = longest_run(event)
                 if self.live.settings.kv_budget_bytes is None:
                     self._default_pool = event.kv_capacity_bytes
-            if isinstance(event, RunFinished) and event.message and event.message != told:
-                fix = {
-                    "error": f" r runs {self.length:,} tokens (at most {self.longest_run:,} fit).",
-                    "out_of_memory": " On screen 3, ] gives the next run a larger KV budget.",
-                }.get(event.reason, "")
+            # A loop that stopped by design (its KV pool full) is said by the header and screen
+            # 3's pool, not by a notification over the panel that shows it.
+            error = isinstance(event, RunFinished) and event.reason == "error"
+            if error and event.message and event.message != told:
+                fix = f" r runs {self.length:,} tokens (at most {self.longest_run:,} fit)."
                 self.notify(
                     f"The {event.loop} loop stopped: {safe_text(event.message)}." + fix,
                     title="Engine stopped",
                     markup=False,
-                    severity="error" if event.reason == "error" else "warning",
+                    severity="error",
                     timeout=8,
                 )
             if isinstance(event, RunFailed):

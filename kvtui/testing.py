@@ -69,6 +69,7 @@ __all__ = [
 ]
 
 NO_GPU_PROBE: dict[str, Any] = {
+    "probe": "null",
     "description": "CPU, no GPU: NVML library not found (libnvidia-ml.so.1)",
     "label": "CPU, no GPU",
     "name": None,

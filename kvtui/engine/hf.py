@@ -37,7 +37,7 @@ from kvtui.engine.protocol import EngineError, RunSettings
 from kvtui.engine.torch_engine import TorchEngine
 from kvtui.format import format_bytes
 from kvtui.gpu.counting import PositionCounter, count_flops
-from kvtui.gpu.device import available_bytes, default_dtype, dtype_name, pick_device
+from kvtui.gpu.device import available_bytes, dtype_name, pick_device, run_dtype
 from kvtui.sim.catalog import ConfigError, ModelSpec
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
@@ -403,7 +403,7 @@ def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
     check_model_files(directory, config)  # before the tokenizer reads a file of the folder
     torch.set_num_threads(max(1, settings.threads))
     device = pick_device(settings.device)
-    dtype = default_dtype(device)
+    dtype, dtype_source = run_dtype(device, spec.default_dtype)  # torch_dtype, where it can
     label = model_label(directory, config)
     with _quiet(transformers):
         try:
@@ -422,4 +422,6 @@ def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
     if spec.active_params is None:  # the measured count, for the bytes each step reads
         spec = replace(spec, params=sum(p.numel() for p in model.parameters()))
     spec = replace(spec, name=label, display_name=label)
-    return HFEngine(settings, transformers, model, tokenizer, spec, device, label, ids)
+    engine = HFEngine(settings, transformers, model, tokenizer, spec, device, label, ids)
+    engine.dtype_source = dtype_source
+    return engine

@@ -175,6 +175,10 @@ class RunStarted:
     for kvtui's own engines. Such a run's steps are streamed tokens timed on kvtui's clock: the
     server's positions computed, FLOPs and KV bytes cannot be observed from here, and its
     StepSamples carry 0 for them (the server's own figures come as `ServerMetrics`)."""
+    dtype_source: str = ""
+    """Why the run computes in `dtype`, in words: "the weights' own", "fp16 weights; a CPU
+    computes fp32" (kvtui.gpu.device.run_dtype), "as vLLM serves fp32 weights" (`sim:`,
+    kvtui.sim.catalog.serving_dtypes); empty where the engine did not say (an older record)."""
     recorded_at: str = ""
     """When the run was recorded (ISO 8601, local time with its offset), set in a record by
     `kvtui bench --record` (and by a replay of an older record, from its header): a replay says

@@ -37,7 +37,14 @@ from kvtui.engine.protocol import (
 )
 from kvtui.engine.replay import MAX_STEP_SECONDS
 from kvtui.format import format_bytes
-from kvtui.sim.catalog import GPUSpec, ModelSpec, UnknownNameError, get_gpu, get_model
+from kvtui.sim.catalog import (
+    GPUSpec,
+    ModelSpec,
+    UnknownNameError,
+    get_gpu,
+    get_model,
+    serving_dtypes,
+)
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, kv_bytes_per_token, weights_bytes
 from kvtui.sim.parallel import shard, tensor_parallel_problem, tensor_parallel_sizes
 from kvtui.sim.pool import KVPool, kv_capacity
@@ -121,26 +128,28 @@ class SimEngine:
             raise EngineError(problem)
         if gpus > 1 and not gpu.interconnect_bytes_per_s:
             raise EngineError(f"the catalog gives no GPU-to-GPU bandwidth for {gpu.display_name}")
-        engine = cls(settings, model, gpu, gpus=gpus)
+        # The weights as published (the catalog's dtype), the KV cache as a server keeps it.
+        weights, kv = serving_dtypes(model.default_dtype)  # as a server keeps it
+        engine = cls(settings, model, gpu, weights, kv, gpus=gpus)
         room, block = engine.room_bytes, engine.pool.block_bytes
         u = settings.gpu_memory_utilization
-        weights = weights_bytes(engine.share, engine.weights_dtype)
-        if weights + RUNTIME_RESERVE_BYTES > gpu.memory_bytes:
+        weights_size = weights_bytes(engine.share, engine.weights_dtype)
+        if weights_size + RUNTIME_RESERVE_BYTES > gpu.memory_bytes:
             if gpus == 1:
                 raise EngineError(
-                    f"{model.label}'s weights ({format_bytes(weights)}) do not fit in "
+                    f"{model.label}'s weights ({format_bytes(weights_size)}) do not fit in "
                     f"{gpu.display_name} ({format_bytes(gpu.memory_bytes)}); {engine._needs()}"
                 )
             raise EngineError(
-                f"{model.name} does not fit {gpus}x {gpu.display_name} ({format_bytes(weights)} "
-                f"of {engine.weights_dtype} weights per GPU + the "
+                f"{model.name} does not fit {gpus}x {gpu.display_name} "
+                f"({format_bytes(weights_size)} of {engine.weights_dtype} weights per GPU + the "
                 f"{format_bytes(RUNTIME_RESERVE_BYTES)} runtime reserve > "
                 f"{format_bytes(gpu.memory_bytes)}); {engine._needs()}"
             )
         if room < block:
             where = gpu.display_name if gpus == 1 else f"each of {gpus}x {gpu.display_name}"
             raise EngineError(
-                f"{model.name}'s weights ({format_bytes(weights)}"
+                f"{model.name}'s weights ({format_bytes(weights_size)}"
                 + (" per GPU" if gpus > 1 else "")
                 + f") and the {format_bytes(RUNTIME_RESERVE_BYTES)} runtime reserve leave no "
                 f"room for a KV cache in {u:g} of {where} ({format_bytes(gpu.memory_bytes)}); "
@@ -196,6 +205,7 @@ class SimEngine:
             batch=self.settings.batch,
             ridge_flops_per_byte=self.gpu.ridge_flops_per_byte,
             ridge_source=f"the catalog's {self.gpu.display_name}",
+            dtype_source=f"as vLLM serves {m.default_dtype} weights",
             prompt_text=bytes(encode_bytes(self.settings.prompt)[: self.prompt_tokens]).decode(
                 "utf-8", errors="replace"
             ),

@@ -43,8 +43,15 @@ from kvtui.engine.protocol import (
 from kvtui.format import format_bytes
 from kvtui.gpu.cache import KVCacheFull
 from kvtui.gpu.counting import PositionCounter
-from kvtui.gpu.device import default_dtype, describe_device, device_ridge, dtype_name, pick_device
-from kvtui.gpu.load import build_shape, load_tiny, parameter_bytes, spec_from_args, trained_context
+from kvtui.gpu.device import describe_device, device_ridge, dtype_name, pick_device, run_dtype
+from kvtui.gpu.load import (
+    build_shape,
+    load_tiny,
+    parameter_bytes,
+    spec_from_args,
+    tiny_stored_dtype,
+    trained_context,
+)
 from kvtui.gpu.model import Transformer
 from kvtui.paths import TINY_NAME
 from kvtui.sim.catalog import ModelSpec, UnknownNameError, get_model
@@ -98,6 +105,8 @@ class TorchEngine(ABC):
     its own (`hf:`: transformers' StaticCache, sized for the run)."""
     pool_source: str = ""
     """Where the pool's capacity came from, in words."""
+    dtype_source: str = ""
+    """Why the model computes in its dtype, in words (kvtui.gpu.device.run_dtype)."""
     counter: PositionCounter
     """The positions the model has computed, observed as it runs."""
 
@@ -155,6 +164,7 @@ class TorchEngine(ABC):
             batch=self.settings.batch,
             ridge_flops_per_byte=ridge,
             ridge_source=ridge_source,
+            dtype_source=self.dtype_source,
         )
 
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
@@ -295,25 +305,30 @@ def open_torch_engine(settings: RunSettings, model_name: str | None) -> DecoderE
     """`tiny` (`model_name` None) or `shape:model_name`, on the device the settings ask for."""
     torch.set_num_threads(max(1, settings.threads))
     device = pick_device(settings.device)
-    dtype = default_dtype(device)
     if model_name is None:
+        dtype, why = run_dtype(device, tiny_stored_dtype())
         model, meta = load_tiny(device, dtype, settings.seed)
         label = meta.get("name", TINY_NAME)
         spec = spec_from_args(label, model.args)
         trained = trained_context(meta)
-        return DecoderEngine(
+        tiny = DecoderEngine(
             settings, model, spec, device, label, byte_level=True, trained_positions=trained
         )
+        tiny.dtype_source = why
+        return tiny
     try:
         spec = get_model(model_name)
     except UnknownNameError as exc:
         raise EngineError(str(exc)) from exc
+    dtype, why = run_dtype(device, spec.default_dtype)  # the catalog's published weights
     context = len(encode_bytes(settings.prompt)) + settings.tokens
     model = build_shape(spec, device, dtype, context, settings.seed, settings.batch)
     label = f"shape:{spec.name}"
     # Priced as what runs: kvtui's decoder in that shape (its own parameters, every position
     # attended: no sliding window), not the catalog entry it was built from.
     ran = replace(spec_from_args(label, model.args), display_name=spec.label)
-    return DecoderEngine(
+    shape = DecoderEngine(
         settings, model, ran, device, label, byte_level=False, trained_positions=spec.max_context
     )
+    shape.dtype_source = why
+    return shape

@@ -55,9 +55,28 @@ def device_ridge(device: torch.device, memory_bytes: int | None) -> tuple[float 
     return gpu.ridge_flops_per_byte, f"the catalog's {gpu.display_name}"
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """bf16 on a GPU, fp32 on the CPU."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def run_dtype(device: torch.device, stored: str) -> tuple[torch.dtype, str]:
+    """The dtype a model whose weights are stored in `stored` (a kvtui.sim name: "fp16")
+    computes in on `device`, and why, in words: the weights' own on a GPU where it can (bf16
+    where the GPU has it, fp16 where not; 8-bit and 4-bit weights in bf16, since kvtui's torch
+    code has no kernels for them), fp32 on a CPU (kvtui's CPU kernels are fp32)."""
+    stored = normalize_dtype(stored)
+    if device.type != "cuda":
+        if stored == "fp32":
+            return torch.float32, "the weights' own"
+        return torch.float32, f"{stored} weights; a CPU computes fp32"
+    if stored in ("fp32", "fp16"):
+        return _TORCH_DTYPES[stored], "the weights' own"
+    bf16 = torch.cuda.is_bf16_supported()
+    if stored == "bf16":
+        if bf16:
+            return torch.bfloat16, "the weights' own"
+        return torch.float16, "bf16 weights; this GPU has no bf16"
+    compute = torch.bfloat16 if bf16 else torch.float16
+    return compute, f"{stored} weights; no {stored} kernels here"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -16,6 +16,7 @@ from kvtui.gpu.device import available_bytes, dtype_name
 from kvtui.gpu.model import ModelArgs, Transformer
 from kvtui.paths import TINY_WEIGHTS, asset_path
 from kvtui.sim.catalog import ModelSpec, spec_matrix_params
+from kvtui.sim.hf_config import safetensors_dtype
 from kvtui.sim.memory import kv_bytes
 
 TINY_ARGS = ModelArgs(n_layer=6, n_head=8, n_kv_head=2, dim=256, intermediate_size=512)
@@ -58,6 +59,12 @@ def load_tiny(
         model = Transformer(args, dtype=dtype, device=device)
         model.load_state_dict({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
     return ready_to_decode(model), metadata
+
+
+def tiny_stored_dtype() -> str:
+    """The dtype the shipped weights are stored in (fp16), read from their file's header; fp32
+    for the seeded random weights used when the file is missing."""
+    return safetensors_dtype(asset_path(TINY_WEIGHTS)) or "fp32"
 
 
 def trained_context(metadata: dict[str, str]) -> int | None:

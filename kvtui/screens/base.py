@@ -129,8 +129,11 @@ class LessonScreen(Screen):
             return
         self._dirty = False
         self._redrawn_at = time.monotonic()
+        # NVML's reading in full where it read a GPU; else plain words ("CPU, no GPU", "GPU,
+        # NVML unavailable"), the reason in help (`?`), never a library's name in the header.
+        nvml = (self.run.probe or {}).get("probe") == "nvml"
         self.query_one(RunHeader).show(
-            self.run.device_description,
+            self.run.device_description if nvml else self.run.device_label,
             self.run.settings.engine,
             self._model_words(),
             self.run.state,

@@ -105,7 +105,7 @@ class CacheScreen(WorkScreen):
         without.note = span
         if not self.cache_on:
             with_card.value, with_card.note = "off", "c turns it on"
-            speedup.value, speedup.note = "—", ("no cache, nothing saved", "nothing saved")
+            speedup.value, speedup.note = "—", ("no cache to compare", "no cache")
             timed.value, timed.note = "—", ("no cache to time", "no cache")
             speedup.set_class(False, "-good")
             return

@@ -13,6 +13,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
+from textual.events import Resize
 from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
@@ -26,17 +27,16 @@ from kvtui.format import (
     format_int,
     format_percent,
     format_rate,
-    format_seconds,
     format_tick,
     safe_text,
 )
-from kvtui.paths import TINY_NAME
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LivePool, LiveRun
 from kvtui.sim.budget import LESSON_BUDGET, Budget, budget, vram_split
 from kvtui.sim.catalog import (
     GIB,
     ConfigError,
+    GPUSpec,
     ModelSpec,
     UnknownNameError,
     dtype_names,
@@ -44,9 +44,11 @@ from kvtui.sim.catalog import (
     get_model,
     gpu_names,
     model_names,
+    serving_dtypes,
 )
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
+from kvtui.sim.parallel import shard
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.served import ServedCache
@@ -134,8 +136,10 @@ class MemoryScreen(LessonScreen):
     kv_dtype: reactive[str] = reactive(LESSON_BUDGET.kv_dtype, init=False)
     batch: reactive[int] = reactive(LESSON_BUDGET.batch, init=False)
     context: reactive[int] = reactive(LESSON_BUDGET.context_tokens, init=False)
-    device_gpu: reactive[str | None] = reactive(None, init=False)
-    """The catalog GPU this machine's device matched (the App's, followed)."""
+    device_gpu: reactive[GPUSpec | None] = reactive(None, init=False)
+    """This machine's GPU, catalogued or not (the App's, followed)."""
+    tp: reactive[int] = reactive(1, init=False)
+    """GPUs the what-if splits the model over: the running `sim:` engine's split, followed."""
     kv_budget: reactive[int | None] = reactive(None, init=False)
     """The KV pool the next run asks for (the App's, followed); None: the engine's default."""
     length: reactive[int] = reactive(256, init=False)
@@ -185,12 +189,13 @@ class MemoryScreen(LessonScreen):
         self.show_budget()
         self.mark_dirty()
 
-    watch_model = watch_gpu = watch_kv_dtype = watch_batch = watch_context = _changed
+    watch_model = watch_gpu = watch_kv_dtype = watch_batch = watch_context = watch_tp = _changed
 
     def choose(self, *, model: str | None = None, gpu: str | None = None) -> None:
         """Set the model or GPU (from the command palette)."""
         if model is not None:
             self._model_chosen = True
+            self.tp = 1  # the run's split was the run's model's
             self.model = get_model(model).name
         if gpu is not None:
             self._gpu_chosen = True
@@ -211,6 +216,7 @@ class MemoryScreen(LessonScreen):
 
     def action_next_model(self) -> None:
         self._model_chosen = True
+        self.tp = 1  # the run's split was the run's model's
         self.model = self._next(model_names(), self.model)
 
     def action_next_gpu(self) -> None:
@@ -228,14 +234,23 @@ class MemoryScreen(LessonScreen):
         own = self._own_model
         return own if own is not None and own.name == self.model else get_model(self.model)
 
+    def gpu_spec(self) -> GPUSpec:
+        """The what-if's GPU: a catalog entry, or this machine's own (`device_gpu`)."""
+        own = self.device_gpu
+        return own if own is not None and own.name == self.gpu else get_gpu(self.gpu)
+
     def budget(self) -> Budget:
+        """The what-if, its weights as a server keeps them (`serving_dtypes`, as `sim:` does),
+        split as the running `sim:` engine is."""
+        spec = self.model_spec()
         return budget(
-            self.model_spec(),
-            get_gpu(self.gpu),
+            spec,
+            self.gpu_spec(),
             self.context,
             self.batch,
             self.kv_dtype,
-            self.model_spec().default_dtype,
+            serving_dtypes(spec.default_dtype)[0],
+            tp=self.tp,
         )
 
     # --- drawing -----------------------------------------------------------------------------
@@ -250,8 +265,8 @@ class MemoryScreen(LessonScreen):
         b = self.budget()
         over = not b.fits
         kv = self.query_one("#kv", StatCard)
-        kv.value = format_bytes(b.kv_bytes)
-        kv.note = f"{format_bytes(b.kv_bytes_per_token)}/token"
+        kv.value = format_bytes(b.kv_bytes_per_gpu)  # one GPU's: every figure here is
+        kv.note = f"{format_bytes(b.kv_bytes_per_token_per_gpu)}/token"
         share = self.query_one("#share", StatCard)
         share.value = format_percent(b.used_bytes / b.vram_bytes)
         share.note = f"of {format_bytes(b.vram_bytes)}"
@@ -271,23 +286,15 @@ class MemoryScreen(LessonScreen):
         else:
             longest.value = format_int(b.max_context_tokens)
             longest.note = f"tokens x {b.batch}"
+        wanted = (b.weights_bytes_per_gpu, b.kv_bytes_per_gpu, b.reserve_bytes)
         self.query_one("#whatif-bar", VramBar).show(
-            whatif_bar(
-                vram_split(b), (b.weights_bytes, b.kv_bytes, b.reserve_bytes, max(0, b.free_bytes))
-            ),
-            f"{b.gpu_label}: {format_bytes(b.vram_bytes)}",
+            whatif_bar(vram_split(b), (*wanted, max(0, b.free_bytes))),
+            f"{b.gpu_label}: {format_bytes(b.vram_bytes)}" + (", one GPU's" if b.tp > 1 else ""),
         )
-        self.query_one("#whatif-title", Static).update(
-            Text.assemble(
-                ("WHAT-IF", "bold"),
-                (" (modelled, catalog figures): ", "dim"),
-                f"{b.model_label} on {b.gpu_label}{self._gpu_why()}",
-            )
-        )
+        self._show_title(b)
         self.set_class(over, "-overflow")
         self.query_one("#scenario", Static).update(
-            f"[b]What-if:[/b] {escape(b.model_label)} ({b.weights_dtype}) on [b]{b.gpu}[/b]\n"
-            f"context {format_int(b.context_tokens)} tokens (←→ -+)\n"
+            f"[b]What-if:[/b] {format_int(b.context_tokens)} tokens (←→ -+)\n"
             f"batch {b.batch} (b) · KV {b.kv_dtype} (k) · m g"
         )
         advice = self.query_one("#advice", Static)
@@ -306,10 +313,33 @@ class MemoryScreen(LessonScreen):
         more.update(rest)
         more.set_class(not rest, "-empty")
 
-    def watch_device_gpu(self, device_gpu: str | None) -> None:
-        """The probe matched this machine's GPU: budget it, unless one was chosen by hand."""
+    def _show_title(self, b: Budget) -> None:
+        """WHAT-IF, the model and its weights' dtype on the GPU (and why that GPU), in the
+        longest wording that fits the line."""
+        title = self.query_one("#whatif-title", Static)
+        each = ", per GPU" if b.tp > 1 else ""
+        names = [(f"{b.tp}x " if b.tp > 1 else "") + name for name in (b.gpu_label, b.gpu)]
+        full, short = self._gpu_why(), self._gpu_why(short=True)
+        what = f"{b.model_label} ({b.weights_dtype}) on"
+        wordings = [
+            f"{what} {names[0]}{each}{full}",
+            f"{what} {names[0]}{each}{short}",
+            f"{what} {names[1]}{each}{short}",
+            f"{what} {names[1]}{each}",
+        ]
+        room = title.content_size.width - len("WHAT-IF (modelled): ")
+        words = next((w for w in wordings if len(w) <= room), wordings[-1])
+        title.update(Text.assemble(("WHAT-IF", "bold"), " (modelled): ", words))
+
+    def on_resize(self, event: Resize) -> None:
+        super().on_resize(event)
+        self.call_after_refresh(self.show_budget)  # the title's wording follows the width
+
+    def watch_device_gpu(self, device_gpu: GPUSpec | None) -> None:
+        """The probe read this machine's GPU: budget it, unless one was chosen by hand."""
         if device_gpu is not None and not self._gpu_chosen:
-            self.gpu = device_gpu
+            self.gpu = device_gpu.name
+            self.show_budget()
 
     def watch_kv_budget(self) -> None:
         self.mark_dirty()
@@ -331,28 +361,45 @@ class MemoryScreen(LessonScreen):
         if spec.kind == "hf" and spec.path is not None and not self._model_chosen:
             with contextlib.suppress(ConfigError, OSError):
                 self._own_model = model_from_hf_config(spec.path / "config.json")
+                self.tp = 1
                 self.model = self._own_model.name
+                self.kv_dtype = serving_dtypes(self._own_model.default_dtype)[1]
                 self.context = min(self.context, self._own_model.max_context)
             return
-        name = TINY_NAME if spec.kind == "tiny" else spec.model
+        # The tiny model would fill 1% of any GPU: the what-if starts from the catalog model
+        # the room knows (LESSON_BUDGET's) instead; shape: and sim: from their own model.
+        name = LESSON_BUDGET.model if spec.kind == "tiny" else spec.model
         if spec.kind in ("tiny", "shape", "sim") and name and not self._model_chosen:
             with contextlib.suppress(UnknownNameError):
                 model = get_model(name)
+                self.tp = spec.gpus if spec.kind == "sim" else 1  # the run's split
                 self.model = model.name
+                self.kv_dtype = serving_dtypes(model.default_dtype)[1]
                 self.context = min(self.context, model.max_context)
         if spec.kind == "sim" and spec.gpu and not self._gpu_chosen and self.device_gpu is None:
             with contextlib.suppress(UnknownNameError):
                 self.gpu = get_gpu(spec.gpu).name
 
-    def _gpu_why(self) -> str:
-        """Why the what-if budgets this GPU, in a few words."""
+    def _gpu_why(self, *, short: bool = False) -> str:
+        """Why the what-if budgets this GPU, in a few words (fewer, if `short`)."""
         if self._gpu_chosen:
             return ""
-        if self.device_gpu == self.gpu:
-            return " (this machine's GPU)"
+        own = self.device_gpu
+        if own is not None and own.name == self.gpu:
+            if own.peak_bf16_flops <= 0:  # not in the catalog: its own name and memory
+                return (
+                    " (this GPU, not in the catalog)"
+                    if short
+                    else (" (this machine's GPU, not in the catalog)")
+                )
+            return " (this GPU)" if short else " (this machine's GPU)"
         if self._followed.startswith("sim:"):
-            return " (the sim engine's GPU)"
-        return " (an example GPU: none here)" if self.device_gpu is None else ""
+            return " (the sim's GPU)" if short else " (the sim engine's GPU)"
+        if own is None and str((self.run.probe or {}).get("label", "")).startswith("GPU"):
+            return " (an example)" if short else " (an example: NVML cannot read this GPU)"
+        if own is None:
+            return " (an example)" if short else " (an example GPU: none here)"
+        return ""
 
     def redraw(self) -> None:
         server, started = self.run.server, self.run.started
@@ -375,7 +422,8 @@ class MemoryScreen(LessonScreen):
             bar.show(Bar((), 1), "LIVE: the running engine's memory, once it starts")
             status.update("")
             return
-        where = safe_text(started.device.split(" (")[0], one_line=True)
+        device = safe_text(started.device, one_line=True)
+        where = device.split(" (")[0] + (", per GPU" if device.endswith(", per GPU") else "")
         model = safe_text(started.model, one_line=True)
         title = (
             f"REPLAY ({safe_text(self.run.recorded, one_line=True)}): {model}"
@@ -398,9 +446,10 @@ class MemoryScreen(LessonScreen):
                 live.filled_bytes,
                 "kv",
                 f"({format_int(live.filled_tokens)} tok{rows})",
+                short="KV",
             ),
-            Part("block tail", live.tail_bytes, "tail"),
-            Part("free pool", live.free_bytes, "free"),
+            Part("block tail", live.tail_bytes, "tail", short="tail"),
+            Part("free pool", live.free_bytes, "free", short="free"),
         ]
         total = started.device_memory_total_bytes
         if total:  # a GPU, real or modelled: the pool shares it with the weights
@@ -408,22 +457,23 @@ class MemoryScreen(LessonScreen):
             parts = (
                 Part("weights", started.weights_bytes, "weights"),
                 *kv,
-                Part("not for KV", rest, "reserve"),
+                Part("not for KV", rest, "reserve", short="other"),
             )
             shown = Bar(parts, total, full=bool(live.full))
-            capacity = f"{format_bytes(total)} of device memory"
+            capacity = [f"{format_bytes(total)} of device memory", format_bytes(total)]
             nvml = (self.run.probe or {}).get("total_bytes")
             if started.device.startswith("cuda") and isinstance(nvml, int) and nvml > 0:
-                capacity += f" (torch; NVML {format_bytes(nvml)})"
+                capacity.insert(0, f"{capacity[0]} (torch; NVML {format_bytes(nvml)})")
         else:  # a CPU: the pool is the budget; the weights sit beside it
             note = f"· weights {format_bytes(started.weights_bytes)} beside it"
             shown = Bar(tuple(kv), pool.capacity_bytes, full=bool(live.full), note=note)
-            capacity = "its KV pool"
+            capacity = ["its KV pool"]
+        size = f"KV pool {format_bytes(pool.capacity_bytes)}"
+        blocks = f"blocks of {pool.block_tokens}"
         bar.show(
             shown,
-            f"{title} · {capacity}",
-            f"KV pool {format_bytes(pool.capacity_bytes)} ({live.source}) · "
-            f"blocks of {pool.block_tokens}",
+            [*(f"{title} · {c}" for c in capacity), title],
+            [f"{size} ({live.source}) · {blocks}", f"{size} · {blocks}", size],
         )
         status.update(self._pool_words(live))
         status.set_class(bool(live.full), "-bad")
@@ -438,7 +488,7 @@ class MemoryScreen(LessonScreen):
             words.append(f"Stopped: {safe_text(live.full, one_line=True)}. ", style="bold")
             words.append(
                 f"Measured: {format_int(live.steps)} tokens, predicted "
-                f"{format_int(pool.tokens_before_full(P, live.batch))}. "
+                f"{format_int(pool.tokens_before_full(P, live.batch))}; ] and r: a larger pool. "
             )
         else:
             words.append(
@@ -472,41 +522,27 @@ class MemoryScreen(LessonScreen):
         return words
 
     def _live_words(self) -> str:
-        """The running engine, measured: KV held against the formula, device memory, achieved
-        bandwidth against the peak, and FLOPs per byte (the lesson's last claim)."""
+        """The running engine: its dtype and why; measured, KV held against the formula (and a
+        GPU's memory in use), prefill and decode rates, tokens/s at its batch; then the
+        formula's bytes and FLOPs over the step's time, against the peak and the ridge."""
         started = self.run.started
         if started is None:
-            return "[dim]The running engine's memory appears here once it starts.[/dim]"
+            return "The running engine's memory appears here once it starts."
         threads = format_count(started.threads, "thread") if started.threads > 0 else ""
         how = "modelled: roofline" if self.run.how == "modelled" else self.run.how
         head = "Replayed" if self.run.replayed else "Live"
         lines = [f"[b]{head}[/b] ({how}{', ' + threads if threads else ''}):"]
+        if started.dtype_source:
+            lines.append(escape(f"{started.dtype}: {started.dtype_source}"))
         measured = self.run.kv_bytes_measured()
+        last = self.run.loop("cached").last
         if measured:
             held, formula = measured
             mark = "= formula" if held == formula else f"formula {format_bytes(formula)}"
-            lines.append(f"KV held {format_bytes(held)} {mark}")
-        last = self.run.loop("cached").last
-        if last and last.device_memory_bytes:
-            lines.append(f"device memory in use {format_bytes(last.device_memory_bytes)}")
-        achieved = self.run.achieved_bandwidth()
-        if achieved:  # the formula's bytes over the step's time: not a measurement of bytes
-            peak = started.peak_bandwidth_bytes_per_s
-            time = "modelled" if self.run.how == "modelled" else "measured"
-            of = (
-                f", {format_percent(achieved / peak)} of {format_bandwidth(peak)}"
-                if peak
-                else " (peak unknown)"
-            )
-            lines.append(f"formula bytes / {time} time: {format_bandwidth(achieved)}{of}")
-        if last and last.bytes_read and last.step > 0:
-            intensity = last.flops / last.bytes_read
-            ridge = started.ridge_flops_per_byte
-            if ridge:
-                bound = "memory-bound" if intensity < ridge else "compute-bound"
-                lines.append(f"formula FLOPs/byte {intensity:.1f}, ridge {ridge:.0f}: {bound}")
-            else:
-                lines.append(f"formula FLOPs/byte {intensity:.1f} (no ridge known for a CPU)")
+            line = f"KV held {format_bytes(held)} {mark}"
+            if started.device.startswith("cuda") and last and last.device_memory_bytes:
+                line += f"; {format_bytes(last.device_memory_bytes)} in use"
+            lines.append(line)
         trace, B = self.run.loop("cached"), self.run.batch
         if trace.steps > 1 and trace.seconds_total > trace.seconds_cumulative[0] > 0:
             # prefill reads the prompt in one pass; decode writes one position per step
@@ -514,29 +550,43 @@ class MemoryScreen(LessonScreen):
             later = (trace.seconds_total - first) / (trace.steps - 1)
             P = started.prompt_tokens
             lines.append(
-                f"prefill {format_seconds(first)}: {format_rate(P * B / first)} pos/s\n"
-                f"decode {format_seconds(later)}/token: {format_rate(B / later)} pos/s"
+                f"pos/s: prefill {format_rate(P * B / first)}, decode {format_rate(B / later)}"
             )
         if trace.steps > 1 and trace.seconds_total > 0:
             rate = trace.steps / trace.seconds_total  # steps per second: each a token per row
             lines.append(
-                f"batch {B} (n): {format_rate(rate)} tok/s per sequence, "
-                f"{format_rate(rate * B)} in all"
+                f"batch {B} (n): {format_rate(rate)} tok/s each, {format_rate(rate * B)} in all"
                 if B > 1
                 else f"batch 1 (n): {format_rate(rate)} tok/s"
             )
-        lines.append("[dim]uncached loop: no KV cache, it recomputes[/dim]")
+        achieved = self.run.achieved_bandwidth()
+        intensity = last.flops / last.bytes_read if last and last.bytes_read else None
+        if achieved or intensity:  # the formula's bytes and FLOPs: not measurements of them
+            time = "modelled" if self.run.how == "modelled" else "measured"
+            lines.append(f"[b]Formula[/b] bytes, FLOPs / {time} time:")
+        if achieved:
+            peak = started.peak_bandwidth_bytes_per_s
+            of = f", {format_percent(achieved / peak)} of peak" if peak else ", peak unknown"
+            lines.append(f"{format_bandwidth(achieved)} read{of}")
+        if intensity is not None and last is not None and last.step > 0:
+            ridge = started.ridge_flops_per_byte
+            if ridge:
+                bound = "memory-bound" if intensity < ridge else "compute-bound"
+                lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
+            else:
+                lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known)")
         return "\n".join(lines)
 
     def _draw_memory(self, plt: Plot, points: int) -> None:
         chart = self.query_one("#memory-chart", Chart)
         b = self.budget()
         spec = self.model_spec()
-        fixed = b.weights_bytes + b.reserve_bytes
+        share = shard(spec, b.tp)  # one GPU's part, as every what-if figure is
+        fixed = b.weights_bytes_per_gpu + b.reserve_bytes
         longest = min(b.max_context_tokens or self.context, spec.max_context)
         right = max(self.context, longest) * 1.25
         xs = sample_points(int(right), points, first=0)
-        ys = [(fixed + kv_bytes(spec, x, b.batch, b.kv_dtype)) / GIB for x in xs]
+        ys = [(fixed + kv_bytes(share, x, b.batch, b.kv_dtype)) / GIB for x in xs]
         color = chart.colour("memory" if b.fits else "overflow")
         plt.plot(xs, ys, color=color, marker="braille")
         plt.hline(b.vram_bytes / GIB, color=chart.colour("capacity"))

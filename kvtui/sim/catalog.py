@@ -37,9 +37,12 @@ DTYPE_BYTES: dict[str, Fraction] = {
     "fp16": Fraction(2),
     "bf16": Fraction(2),
     "fp8": Fraction(1),
+    "int8": Fraction(1),
     "int4": Fraction(1, 2),
 }
-"""Bytes per element of each storage format; int4 is half a byte, kept exact."""
+"""Bytes per element of each storage format; int4 is half a byte, kept exact. int8 (integers,
+as bitsandbytes and 8-bit GPTQ store weights) is not fp8 (a float format), though both take a
+byte."""
 
 _DTYPE_ALIASES = {
     "float32": "fp32",
@@ -50,7 +53,6 @@ _DTYPE_ALIASES = {
     "float8": "fp8",
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
-    "int8": "fp8",
     "4bit": "int4",
 }
 
@@ -67,6 +69,17 @@ def normalize_dtype(name: str) -> str:
     if key not in DTYPE_BYTES:
         raise UnknownNameError(_unknown("dtype", name, list(DTYPE_BYTES)))
     return key
+
+
+def serving_dtypes(published: str) -> tuple[str, str]:
+    """The (weights, KV cache) dtypes a server keeps a model published in `published` in, as
+    vLLM does with dtype and kv_cache_dtype "auto": fp32 weights in bf16, fp16 and bf16 as they
+    are, 8-bit and 4-bit weights as they are; the KV cache in the activations' dtype (the
+    weights', or bf16 beside 8-bit and 4-bit weights, which are dequantised to compute). The
+    `sim:` engine and screen 3's what-if both price a model so."""
+    name = normalize_dtype(published)
+    weights = "bf16" if name == "fp32" else name
+    return weights, weights if weights in ("fp16", "bf16") else "bf16"
 
 
 def dtype_bytes(name: str) -> Fraction:
@@ -384,12 +397,27 @@ def match_gpu(name: str, total_bytes: int | None) -> GPUSpec | None:
     return min(best, key=lambda gpu: abs(gpu.memory_bytes - total_bytes))
 
 
-def gpu_from_probe(probe: dict[str, Any] | None) -> str | None:
-    """The catalog GPU a device probe's summary found (kvtui.gpu.probe.probe_summary: its
-    `name` and `total_bytes`, by `match_gpu`), by name; None if it is none."""
+def gpu_from_probe(probe: dict[str, Any] | None) -> GPUSpec | None:
+    """The GPU a device probe's summary found (kvtui.gpu.probe.probe_summary): its catalog
+    entry (by `match_gpu`, from its `name` and `total_bytes`); else, for a GPU the catalog does
+    not hold, the device itself by its own name and memory, its peak bandwidth NVML's estimate
+    (0 where unknown) and its peak FLOP/s unknown (0), its `notes` saying so; None where the
+    probe read no GPU."""
     probe = probe or {}
-    gpu = match_gpu(str(probe.get("name") or ""), probe.get("total_bytes") or None)
-    return gpu.name if gpu else None
+    name, total = str(probe.get("name") or ""), probe.get("total_bytes") or None
+    gpu = match_gpu(name, total)
+    if gpu is not None or not name or not isinstance(total, int) or total <= 0:
+        return gpu
+    bandwidth = probe.get("peak_bandwidth_bytes_per_s")
+    return GPUSpec(
+        name=name.lower(),
+        display_name=name,
+        memory_bytes=total,
+        bandwidth_bytes_per_s=float(bandwidth) if isinstance(bandwidth, int | float) else 0.0,
+        peak_bf16_flops=0.0,
+        source="this machine's device, as NVML reads it",
+        notes="not in the catalog: its peak FLOP/s is unknown",
+    )
 
 
 # --- a shape's parameters -----------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvtui.inputs import MIB, InputError, read_json
+from kvtui.inputs import MIB, InputError, read_json, safetensors_header
 from kvtui.sim.catalog import (
     DTYPE_BYTES,
     ConfigError,
@@ -162,16 +162,40 @@ def _quantized_dtype(config: dict[str, Any], where: str) -> str | None:
         return "fp8"
     if bits == 4 or method.lower() in ("awq", "gptq") and bits in (None, 4):
         return "int4"
+    if bits == 8 or quantization.get("load_in_8bit") is True:
+        return "int8"
     return None
 
 
-def _config_dtype(config: dict[str, Any], where: str, gpt2_style: bool) -> str:
+_SAFETENSORS_DTYPES = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "I8": "int8"}
+
+
+def safetensors_dtype(path: Path) -> str | None:
+    """The dtype (a kvtui name) of the first tensor of a known dtype in a safetensors file,
+    read from its header alone; None when there is none or the file cannot be read."""
+    try:
+        header = safetensors_header(path)
+    except (InputError, OSError):
+        return None
+    for name, tensor in header.items():
+        if name != "__metadata__" and isinstance(tensor, dict):
+            kind = str(tensor.get("dtype", ""))
+            if kind.startswith("F8"):
+                return "fp8"
+            if kind in _SAFETENSORS_DTYPES:
+                return _SAFETENSORS_DTYPES[kind]
+    return None
+
+
+def _config_dtype(config: dict[str, Any], where: str, folder: Path) -> str:
     """The dtype the config's weights are stored in; ConfigError naming the field if unknown.
 
-    A config without one is float32 for GPT-2 (its checkpoints are) and bf16 otherwise."""
+    A config without one is the dtype of the weights beside it (`model.safetensors`), else
+    fp32, the dtype transformers loads a model in when nothing says another."""
     field = next((key for key in ("torch_dtype", "dtype") if config.get(key) is not None), None)
     if field is None:
-        return "fp32" if gpt2_style else "bf16"
+        # what transformers' dtype "auto" loads a config without a dtype in
+        return safetensors_dtype(folder / "model.safetensors") or "fp32"
     value = config[field]
     try:
         return normalize_dtype(value)
@@ -237,7 +261,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     if heads % kv_heads:
         raise ConfigError(f"{where}: {heads} attention heads do not group into {kv_heads} kv heads")
 
-    default_dtype = _quantized_dtype(config, where) or _config_dtype(config, where, gpt2_style)
+    default_dtype = _quantized_dtype(config, where) or _config_dtype(config, where, path.parent)
     window, sliding = _hf_sliding(config, where, layers, max_context)
 
     tied = _optional(config, where, "tie_word_embeddings", bool, "true or false")

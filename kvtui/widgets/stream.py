@@ -60,7 +60,6 @@ class TokenStream(Widget):
 
     def __init__(self, title: str, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)
-        self.title = title
         self.border_title = title
 
     def show(
@@ -68,10 +67,10 @@ class TokenStream(Widget):
     ) -> None:
         """The text so far and the newest token's text (already at the end of `text`), after
         the prompt (dimmed: the model's input, not its output). `placeholder`: the text is not
-        a model's (a modelled run's stand-in), and the title says so."""
+        a model's (a modelled run's stand-in), and the panel says so."""
         self.prompt, self.text, self.current = prompt, text, current
-        self.border_title = f"{self.title} · placeholder" if placeholder else self.title
-        self.border_subtitle = f"{steps:,} tokens" if steps else ""
+        count = f"{steps:,} tokens" if steps else ""
+        self.border_subtitle = f"placeholder text · {count}" if placeholder else count
 
     def render(self) -> RenderableType:
         if not self.text and not self.prompt:

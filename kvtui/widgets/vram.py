@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rich.console import RenderableType
@@ -24,6 +25,8 @@ class Part:
     """"weights", "kv", "tail", "reserve" or "free"."""
     detail: str = ""
     """Said after its size in the legend: "(278 tokens)"."""
+    short: str = ""
+    """A shorter name for a narrow legend ("KV" for "KV filled"); the name itself if empty."""
 
 
 @dataclass(frozen=True)
@@ -95,14 +98,36 @@ class VramBar(Widget):
     red: reactive[bool] = reactive(False)
     bar: reactive[Bar | None] = reactive(None)
 
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self._titles: tuple[str, ...] = ()
+        self._subtitles: tuple[str, ...] = ()
+
     def watch_red(self, red: bool) -> None:
         self.set_class(red, "-overflow")
 
-    def show(self, bar: Bar, title: str, subtitle: str = "") -> None:
-        self.border_title = title
-        self.border_subtitle = subtitle
+    def show(
+        self, bar: Bar, title: str | Sequence[str], subtitle: str | Sequence[str] = ""
+    ) -> None:
+        """Draw `bar`; `title` and `subtitle` are one wording or several, fullest first: the
+        first that fits the border is shown (the last, cut, if none does)."""
+        self._titles = (title,) if isinstance(title, str) else tuple(title)
+        self._subtitles = (subtitle,) if isinstance(subtitle, str) else tuple(subtitle)
+        self._fit_titles()
         self.red = bar.red
         self.bar = bar
+
+    def on_resize(self) -> None:
+        self._fit_titles()
+
+    def _fit_titles(self) -> None:
+        room = self.size.width - 6  # the corners and a dash and a space each side
+        for attribute, wordings in (
+            ("border_title", self._titles),
+            ("border_subtitle", self._subtitles),
+        ):
+            fits = [w for w in wordings if len(w) <= room]
+            setattr(self, attribute, fits[0] if fits else wordings[-1] if wordings else "")
 
     @staticmethod
     def widths(bar: Bar, width: int) -> list[int]:
@@ -131,14 +156,22 @@ class VramBar(Widget):
             if cells > 0:
                 style = self.get_component_rich_style(f"vram--{part.look}")
                 line.append(f" {part.name}"[:cells].ljust(cells), style=style)
+        legends = [self._legend(bar, *wording) for wording in LEGENDS]
+        legend = next((text for text in legends if text.cell_len <= width), legends[-1])
+        return Text("\n").join([line, legend])
+
+    def _legend(self, bar: Bar, details: bool, gap: str, short: bool = False) -> Text:
+        """Each part's swatch, name (or `short` name) and size (and its detail, if `details`),
+        `gap` apart."""
         legend = Text(no_wrap=True, overflow="ellipsis")
         for part in bar.parts:
             if part.look == "free" and bar.red and part.bytes <= 0:
                 continue  # nothing is free: the overflow note says by how much
             swatch = self.get_component_rich_style(f"vram--{part.look}")
             legend.append("■", style=Style(color=swatch.bgcolor))
-            detail = f" {part.detail}" if part.detail else ""
-            legend.append(f" {part.name} {format_bytes(part.bytes)}{detail}  ")
+            detail = f" {part.detail}" if part.detail and details else ""
+            name = part.short if short and part.short else part.name
+            legend.append(f" {name} {format_bytes(part.bytes)}{detail}{gap}")
         if bar.overflow_bytes:
             legend.append(
                 f"{format_bytes(bar.overflow_bytes)} over",
@@ -146,4 +179,10 @@ class VramBar(Widget):
             )
         if bar.note:
             legend.append(bar.note)
-        return Text("\n").join([line, legend])
+        legend.rstrip()
+        return legend
+
+
+LEGENDS = ((True, "  ", False), (True, " ", False), (False, " ", False), (False, " ", True))
+"""The legend's wordings, fullest first: with each part's detail, two spaces apart; one space;
+without the details; with the parts' short names. The first that fits the bar is drawn."""

@@ -1,4 +1,5 @@
-"""Screen 3 takes the probed GPU from the catalog's matcher, and only a real match."""
+"""Screen 3 budgets the probed GPU: its catalog entry where the matcher finds one (and only a
+real match), else the device by its own name and memory."""
 
 from __future__ import annotations
 
@@ -20,14 +21,15 @@ MIB = 2**20
         ({"name": "NVIDIA A10", "total_bytes": 23028 * MIB}, "a10"),  # was no match
         ({"name": "Tesla V100-SXM2-32GB", "total_bytes": 32510 * MIB}, "v100-32gb"),
         ({"name": "NVIDIA A100-SXM4-40GB", "total_bytes": 40960 * MIB}, "a100-40gb"),
-        ({"name": "NVIDIA RTX A6000", "total_bytes": 48676 * MIB}, None),
+        ({"name": "NVIDIA RTX A6000", "total_bytes": 48676 * MIB}, "nvidia rtx a6000"),
         ({"name": None, "total_bytes": None, "description": "CPU, no GPU: why"}, None),
         ({"description": "device unknown (the probe failed)"}, None),
         (None, None),
     ],
 )
 def test_gpu_from_probe(probe, expected):
-    assert gpu_from_probe(probe) == expected
+    gpu = gpu_from_probe(probe)
+    assert (gpu.name if gpu else None) == expected
 
 
 def _app(probe: dict):
@@ -44,11 +46,16 @@ async def test_screen3_budgets_for_the_probed_gpu():
         assert "on NVIDIA L40S (this machine's GPU)" in screen_text(app)
 
 
-async def test_screen3_keeps_its_default_for_a_gpu_the_catalog_lacks():
+async def test_screen3_budgets_a_gpu_the_catalog_lacks_by_its_own_name_and_memory():
+    """An uncatalogued GPU is not an H100 'example': the what-if is the device itself, its
+    memory NVML's, and says the catalog lacks it (its peak FLOP/s are unknown)."""
     probe = {"description": "NVIDIA RTX A6000 · 47.5 GiB", "name": "NVIDIA RTX A6000"}
-    app = _app({**probe, "total_bytes": 48676 * MIB})
+    app = _app({**probe, "probe": "nvml", "total_bytes": 48676 * MIB})
     async with app.run_test(size=(100, 30)) as pilot:
         await settle(app, pilot)
-        assert app.screen.gpu == "h100"
+        assert app.screen.gpu == "nvidia rtx a6000"
+        assert app.screen.budget().vram_bytes == 48676 * MIB
         text = screen_text(app)
-        assert "on h100" in text and "NVIDIA RTX A6000" in text.splitlines()[0]
+        assert "on NVIDIA RTX A6000 (this GPU, not in the catalog)" in text
+        assert "of 47.5 GiB" in text  # the ALL IN USE card: the device's own memory
+        assert "example" not in text

@@ -46,7 +46,7 @@ async def test_a_small_budget_stops_the_run_red_and_a_larger_one_runs_again():
     app = sim_app(replace(SIM, kv_budget_bytes=4 << 20))  # 32 tokens of 128 KiB
     async with app.run_test(size=SIZE) as pilot:
         # the stop's whole paragraph: its text is drawn a frame before it is laid out on 2 lines
-        await wait_for(pilot, lambda: finished(app) and "predicted 32." in words(app))
+        await wait_for(pilot, lambda: finished(app) and "predicted 32;" in words(app))
         assert isinstance(app.screen, MemoryScreen)
         predicted = KVPool(4 << 20, 16, PER_TOKEN).tokens_before_full(1)
         assert predicted == 32

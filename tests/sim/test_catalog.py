@@ -12,6 +12,7 @@ from kvtui.sim.catalog import (
     GPUSpec,
     ModelSpec,
     UnknownNameError,
+    dtype_bytes,
     get_gpu,
     get_model,
     gpu_names,
@@ -439,7 +440,8 @@ def test_unknown_dtype_is_a_config_error_naming_the_field(tmp_path, field, value
     with pytest.raises(ConfigError) as info:
         model_from_hf_config(path)
     assert str(info.value) == (
-        f"{path}: {field} {value!r} is not a dtype kvtui knows (known: fp32, fp16, bf16, fp8, int4)"
+        f"{path}: {field} {value!r} is not a dtype kvtui knows "
+        "(known: fp32, fp16, bf16, fp8, int8, int4)"
     )
 
 
@@ -447,13 +449,23 @@ def test_dtype_field_and_its_defaults(tmp_path):
     llama = HF_CONFIGS["llama-2-7b"]
     assert model_from_hf_config(_write(tmp_path, llama)).default_dtype == "fp16"
     no_dtype = {k: v for k, v in llama.items() if k != "torch_dtype"}
+    # Nothing says: the weights beside it do (transformers' dtype "auto"), else fp32.
+    assert model_from_hf_config(_write(tmp_path, no_dtype)).default_dtype == "fp32"
+    weights = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     assert model_from_hf_config(_write(tmp_path, no_dtype)).default_dtype == "bf16"
+    weights.unlink()
     newer = {**no_dtype, "dtype": "float32"}  # newer transformers write `dtype`
     assert model_from_hf_config(_write(tmp_path, newer)).default_dtype == "fp32"
     assert model_from_hf_config(_write(tmp_path, HF_CONFIGS["gpt2"])).default_dtype == "fp32"
     # A quantization_config states the storage format, whatever torch_dtype says.
     gptq = {**llama, "torch_dtype": "int32", "quantization_config": {"quant_method": "gptq"}}
     assert model_from_hf_config(_write(tmp_path, gptq)).default_dtype == "int4"
+    # 8-bit integers are int8, not fp8: a byte each, another format.
+    eight = {**llama, "quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}}
+    assert model_from_hf_config(_write(tmp_path, eight)).default_dtype == "int8"
+    assert normalize_dtype("int8") == "int8" and dtype_bytes("int8") == dtype_bytes("fp8") == 1
 
 
 def test_missing_config_file(tmp_path):
