@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from textual.color import Color
 from textual.message import Message
 from textual.notifications import Notify
 from textual.pilot import Pilot
@@ -58,12 +59,14 @@ __all__ = [
     "RUN_STATES",
     "Card",
     "HeadlessRun",
+    "Cells",
     "RunSettings",
     "ScriptedEngine",
     "drive",
     "headless",
     "notifications_in",
     "refuse_torch",
+    "screen_cells",
     "screen_text",
     "wait_for",
 ]
@@ -281,6 +284,70 @@ def screen_text(app: KVApp) -> str:
             if 0 <= column + offset < width:
                 row[column + offset] = char
     return "\n".join("".join(row).rstrip() for row in rows)
+
+
+_SVG_CLASS = re.compile(r"\.[\w-]+-(r\d+) \{ fill: (#[0-9a-f]{6})")
+_SVG_RUN = re.compile(
+    r'<text class="[\w-]+-(r\d+)" x="([\d.]+)" y="[\d.]+" textLength="[\d.]+" '
+    r'clip-path="url\(#[\w-]*line-(\d+)\)">([^<]*)</text>'
+)
+_SVG_BACKGROUND = re.compile(
+    r'<rect fill="(#[0-9a-f]{6})" x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" '
+    r'height="[\d.]+" shape-rendering="crispEdges"/>'
+)
+_LINE_HEIGHT = 24.4
+"""Height of one terminal row in Textual's SVG screenshots."""
+
+
+@dataclass(frozen=True)
+class Cells:
+    """A run of cells as the terminal draws them: where, what, and in which colours."""
+
+    row: int
+    column: int
+    text: str
+    foreground: Color
+    background: Color
+
+
+def screen_cells(app: KVApp) -> list[Cells]:
+    """What the terminal shows right now, as runs of cells with the colours they are drawn in
+    (foreground after dimming, and the background under each cell), read from the app's own
+    screenshot (`App.export_screenshot`): what a room sees, not what a stylesheet meant. A run
+    whose background changes part-way is split where it does; runs of spaces are not listed."""
+    svg = app.export_screenshot()
+    fills = dict(_SVG_CLASS.findall(svg))
+    width, height = app.size
+    backgrounds: list[list[str]] = [["#000000"] * width for _ in range(height)]
+    for fill, x, y, w in _SVG_BACKGROUND.findall(svg):
+        row = round((float(y) - 1.5) / _LINE_HEIGHT)
+        start = round(float(x) / _CELL_WIDTH)
+        if 0 <= row < height:
+            for column in range(start, min(width, start + round(float(w) / _CELL_WIDTH))):
+                backgrounds[row][column] = fill
+    cells: list[Cells] = []
+    for style, x, line, raw in _SVG_RUN.findall(svg):
+        row, start = int(line), round(float(x) / _CELL_WIDTH)
+        text = html.unescape(raw).replace("\xa0", " ")
+        if row >= height or style not in fills:
+            continue
+        foreground = Color.parse(fills[style])
+        column = start
+        under = [backgrounds[row][min(width - 1, start + i)] for i in range(len(text))]
+        for same, chunk in _split_by(text, under):
+            if chunk.strip():
+                cells.append(Cells(row, column, chunk, foreground, Color.parse(same)))
+            column += len(chunk)
+    return cells
+
+
+def _split_by(text: str, keys: Sequence[str]) -> Iterator[tuple[str, str]]:
+    """`text` in pieces over which its characters' `keys` stay the same: (key, piece)."""
+    start = 0
+    for i in range(1, len(text) + 1):
+        if i == len(text) or keys[i] != keys[start]:
+            yield keys[start], text[start:i]
+            start = i
 
 
 def notifications_in(messages: Iterable[Message]) -> list[str]:

@@ -152,9 +152,8 @@ class CacheScreen(WorkScreen):
         if diverged is not None:
             mark.show(f"✗ first divergence at step {diverged + 1:,}")
         elif n:
-            mark.show(
-                f"✓ identical: {n:,} tokens" if both_done else f"✓ identical so far: {n:,} tokens"
-            )
+            words = f"identical: {n:,} tokens" if both_done else f"identical so far: {n:,} tokens"
+            mark.show(f"[$text-success]✓[/] {words}")  # the mark green, the words text
         else:
             mark.show("… comparing the two streams")
 

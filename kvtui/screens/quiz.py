@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.content import Content
 from textual.screen import Screen
 from textual.widgets import OptionList, Static
 from textual.widgets.option_list import Option
@@ -192,7 +193,8 @@ class QuizScreen(Screen[int]):
         feedback.set_class(right, "-right")
         feedback.set_class(not right, "-wrong")
         more = " n: next question." if self.index + 1 < len(QUESTIONS) else " Escape closes."
-        feedback.update(("✓ " if right else "✗ ") + words + more)
+        mark = "[$text-success]✓[/] " if right else "✗ "  # green as a mark, text as text
+        feedback.update(Content.from_markup(mark) + Content(words + more))
 
     def action_next(self) -> None:
         if self.index + 1 < len(QUESTIONS):

@@ -27,7 +27,7 @@ class StatCard(Widget):
     StatCard {
         height: 5;
         width: 1fr;
-        border: round $primary 60%;
+        border: round $primary;
         border-title-color: $text-muted;
         border-title-style: bold;
         border-subtitle-color: $text-muted;
@@ -50,10 +50,13 @@ class StatCard(Widget):
         border: round $error;
     }
     StatCard.-bad > Digits, StatCard.-bad > .card--text {
-        color: $error;
+        color: $text-error;
     }
-    StatCard.-good > Digits, StatCard.-good > .card--text {
-        color: $success;
+    StatCard.-good {
+        border: round $text-success;
+    }
+    StatCard.-good > Digits {
+        color: $text-success;
     }
     """
 

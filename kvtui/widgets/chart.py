@@ -57,23 +57,30 @@ def contrast_ratio(a: Color, b: Color) -> float:
     return (la + 0.05) / (lb + 0.05)
 
 
-def readable(color: Color, background: Color, minimum: float = MIN_CONTRAST) -> Color:
+def readable(
+    color: Color, background: Color, minimum: float = MIN_CONTRAST, *, also: Sequence[Color] = ()
+) -> Color:
     """`color`, moved towards white on a dark background or black on a light one, just far
-    enough to reach `minimum` contrast against `background` (unchanged if it already does)."""
+    enough to reach `minimum` contrast against `background` and every colour in `also` (other
+    backgrounds of the same kind it is drawn on); unchanged if it already does."""
     target = Color(255, 255, 255) if _luminance(background) < 0.18 else Color(0, 0, 0)
     for step in range(21):
         moved = color.blend(target, step / 20)
-        if contrast_ratio(moved, background) >= minimum:
+        if all(contrast_ratio(moved, b) >= minimum for b in (background, *also)):
             return moved
     return target
 
 
 def series_colour(variables: Mapping[str, str], series: str) -> RGB:
     """The readable RGB of a kind of series (`SERIES`) under a theme's resolved variables
-    (`App.theme_variables`: "background", "primary", ...)."""
+    (`App.theme_variables`: "background", "primary", ...): readable both on the screen's
+    background, where a legend draws its mark, and on the chart's, `surface` (textual-plotext's
+    canvas)."""
     name, alpha = SERIES[series]
     background = Color.parse(variables["background"])
-    color = readable(background.blend(Color.parse(variables[name]), alpha), background)
+    surface = Color.parse(variables.get("surface", variables["background"]))
+    color = background.blend(Color.parse(variables[name]), alpha)
+    color = readable(color, background, also=(surface,))
     return (color.r, color.g, color.b)
 
 

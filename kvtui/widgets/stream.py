@@ -30,7 +30,7 @@ class TokenStream(Widget):
 
     DEFAULT_CSS = """
     TokenStream {
-        border: round $primary 40%;
+        border: round $primary;
         border-title-color: $text;
         border-subtitle-color: $text-muted;
         padding: 0 1;

@@ -22,7 +22,7 @@ class TooSmall(Static):
         height: 1fr;
         content-align: center middle;
         text-align: center;
-        color: $warning;
+        color: $text;
     }
     """
 

@@ -8,11 +8,13 @@ from dataclasses import dataclass
 from rich.console import RenderableType
 from rich.style import Style
 from rich.text import Text
+from textual.color import Color
 from textual.reactive import reactive
 from textual.widget import Widget
 
 from kvtui.format import format_bytes
 from kvtui.sim.budget import VramSplit
+from kvtui.widgets.chart import contrast_ratio
 
 
 @dataclass(frozen=True)
@@ -70,21 +72,23 @@ class VramBar(Widget):
     DEFAULT_CSS = """
     VramBar {
         height: 4;
-        border: round $primary 40%;
+        border: round $primary;
         border-title-color: $text;
         border-subtitle-color: $text-muted;
         padding: 0 1;
     }
-    VramBar > .vram--weights { background: $primary; color: $text; }
-    VramBar > .vram--kv { background: $warning; color: $text; }
-    VramBar > .vram--tail { background: $warning 45%; color: $text; }
-    VramBar > .vram--reserve { background: $secondary 70%; color: $text; }
+    VramBar > .vram--weights { background: $primary; }
+    VramBar > .vram--kv { background: $warning-darken-3; }
+    VramBar > .vram--tail { color: $warning-darken-3; }
+    VramBar > .vram--reserve { background: $text-secondary; }
     VramBar > .vram--free { background: $surface-lighten-1; color: $text-muted; }
-    VramBar > .vram--over { color: $error; text-style: bold; }
-    VramBar.-overflow { border: round $error; border-title-color: $error; }
-    VramBar.-overflow > .vram--kv { background: $error; color: $text; }
-    VramBar.-overflow > .vram--tail { background: $error 55%; color: $text; }
+    VramBar > .vram--over { color: $text-error; text-style: bold; }
+    VramBar.-overflow { border: round $error; border-title-color: $text-error; }
+    VramBar.-overflow > .vram--kv { background: $error; }
+    VramBar.-overflow > .vram--tail { color: $error; }
     """
+    # Every part's colour holds 3:1 against the screen on dark and light themes alike, for its
+    # swatch in the legend; a part's label on it is black or white, whichever reads (`_legible`).
 
     COMPONENT_CLASSES = {
         "vram--weights",
@@ -154,8 +158,9 @@ class VramBar(Widget):
         line = Text(no_wrap=True)
         for cells, part in zip(self.widths(bar, width), bar.parts, strict=True):
             if cells > 0:
-                style = self.get_component_rich_style(f"vram--{part.look}")
-                line.append(f" {part.name}"[:cells].ljust(cells), style=style)
+                style = _legible(self.get_component_rich_style(f"vram--{part.look}"))
+                label = "▒" * cells if part.look == "tail" else f" {part.name}"
+                line.append(label[:cells].ljust(cells), style=style)
         legends = [self._legend(bar, *wording) for wording in LEGENDS]
         legend = next((text for text in legends if text.cell_len <= width), legends[-1])
         return Text("\n").join([line, legend])
@@ -167,8 +172,9 @@ class VramBar(Widget):
         for part in bar.parts:
             if part.look == "free" and bar.red and part.bytes <= 0:
                 continue  # nothing is free: the overflow note says by how much
-            swatch = self.get_component_rich_style(f"vram--{part.look}")
-            legend.append("■", style=Style(color=swatch.bgcolor))
+            look = self.get_component_rich_style(f"vram--{part.look}")
+            glyph = GLYPHS.get(part.look, "■")
+            legend.append(glyph, style=Style(color=look.color if glyph != "■" else look.bgcolor))
             detail = f" {part.detail}" if part.detail and details else ""
             name = part.short if short and part.short else part.name
             legend.append(f" {name} {format_bytes(part.bytes)}{detail}{gap}")
@@ -182,6 +188,24 @@ class VramBar(Widget):
         legend.rstrip()
         return legend
 
+
+def _legible(style: Style) -> Style:
+    """`style` with its text black or white, whichever has the more contrast (WCAG 2) on its
+    background colour: Textual's `auto` weighs colours its own way, and picked white on the
+    dark theme's $text-secondary, 4.0:1 against black's 5.2:1."""
+    if style.bgcolor is None:
+        return style
+    r, g, b = style.bgcolor.get_truecolor()
+    back = Color(r, g, b)
+    white, black = Color(255, 255, 255), Color(0, 0, 0)
+    text = white if contrast_ratio(white, back) >= contrast_ratio(black, back) else black
+    return style + Style(color=text.rich_color)
+
+
+GLYPHS = {"tail": "▒", "free": "□"}
+"""Swatches that are not a block of their part's colour: the last block's unused slots are
+hatched in the KV colour (taken, not filled), in the bar too; the free pool is an empty square.
+Others are a block of their colour, as in the bar, where their name is written on it."""
 
 LEGENDS = ((True, "  ", False), (True, " ", False), (False, " ", False), (False, " ", True))
 """The legend's wordings, fullest first: with each part's detail, two spaces apart; one space;

@@ -1,35 +1,91 @@
-"""Every chart series is readable on the dark and the light theme: 3:1 or better (WCAG 2,
-non-text contrast), computed from the theme's own colours."""
+"""Everything on screen reads in a room, on the dark and the light theme: measured on what is
+rendered (the app's own screenshot, `kvtui.testing.screen_cells`), not on the stylesheet's
+constants. WCAG 2: text at 4.5:1 against what is under it (1.4.3), graphics (borders, chart
+lines, swatches, marks, big digits) at 3:1 (1.4.11)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
-from textual.app import App
 from textual.color import Color
+from textual.geometry import Region
 
-from kvtui.widgets.chart import MIN_CONTRAST, SERIES, contrast_ratio, series_colour
+from kvtui.screens.quiz import QuizScreen
+from kvtui.testing import Cells, HeadlessRun, RunSettings, headless, screen_cells
+from kvtui.widgets.chart import contrast_ratio
+
+TEXT, GRAPHICS = 4.5, 3.0
+_WORDS = re.compile(r"[^\W_]")  # a letter or a digit: text, read as words
 
 
-@pytest.fixture(scope="module")
-async def theme_variables():
-    app = App()
-    variables = {}
-    async with app.run_test() as pilot:
-        for theme in ("textual-dark", "textual-light"):
-            app.theme = theme
-            await pilot.pause()
-            variables[theme] = dict(app.theme_variables)
-    return variables
+def needed(cells: Cells) -> float:
+    """Text (anything with a letter or digit) needs 4.5:1; marks, lines and glyphs 3:1."""
+    return TEXT if _WORDS.search(cells.text) else GRAPHICS
+
+
+def too_faint(run: HeadlessRun, where: str, region: Region | None = None) -> list[str]:
+    """Every run of cells (inside `region`, if given) below its contrast, described."""
+    faint = []
+    for cells in screen_cells(run.app):
+        if region is not None and not region.contains(cells.column, cells.row):
+            continue
+        ratio = contrast_ratio(cells.foreground, cells.background)
+        if ratio < needed(cells):
+            faint.append(
+                f"{where} row {cells.row}, column {cells.column}: {cells.text.strip()[:24]!r} "
+                f"{cells.foreground.hex} on {cells.background.hex} = {ratio:.2f}:1"
+            )
+    return faint
+
+
+SETTINGS = RunSettings("sim:llama-3.1-8b@h100", tokens=24, kv_budget_bytes=2 << 20)
+"""A run whose pool fills (16 tokens of 128 KiB): screen 3 shows the red, stopped pool."""
 
 
 @pytest.mark.parametrize("theme", ["textual-dark", "textual-light"])
-async def test_every_series_has_3_to_1_contrast(theme_variables, theme):
-    variables = theme_variables[theme]
-    background = Color.parse(variables["background"])
-    for series in SERIES:
-        r, g, b = series_colour(variables, series)
-        ratio = contrast_ratio(Color(r, g, b), background)
-        assert ratio >= MIN_CONTRAST, f"{series} on {theme}: {ratio:.2f}:1"
+async def test_every_screen_reads_on_the_theme(theme):
+    faint: list[str] = []
+    async with headless(SETTINGS, 1, size=(100, 30)) as run:
+        run.app.theme = theme
+        await run.until_done()
+        await run.press("right")  # the run note turns to what r would run
+        await run.settle()
+        faint += too_faint(run, "screen 1")
+        await run.press("2")
+        await run.settle()
+        faint += too_faint(run, "screen 2")
+        await run.press("c")
+        await run.settle()
+        faint += too_faint(run, "screen 2, cache off")
+        await run.press("3", *["plus"] * 3)  # the what-if past capacity: red
+        await run.settle()
+        assert run.card("status").value == "OVERFLOW"
+        faint += too_faint(run, "screen 3")
+        await run.press("question_mark")
+        await run.settle()
+        help_box = run.app.screen.query_one("#help").region  # the rest is a dimmed backdrop
+        faint += too_faint(run, "help", help_box)
+        await run.press("escape", "t", "down", "enter")  # a wrong answer, then a right one
+        await run.settle()
+        assert isinstance(run.app.screen, QuizScreen)
+        faint += too_faint(run, "quiz, wrong")
+        await run.press("up", "enter")
+        await run.settle()
+        faint += too_faint(run, "quiz, right")
+    assert not faint, "\n".join(faint)
+
+
+async def test_a_faint_colour_is_caught():
+    """The measure can fail: a border at a fifth of the primary colour is too faint."""
+    async with headless(replace(SETTINGS, tokens=4), 1, size=(100, 30)) as run:
+        await run.until_done()
+        run.app.stylesheet.add_source("StatCard { border: round $primary 20%; }")
+        run.app.stylesheet.reparse()
+        run.app.refresh_css()
+        await run.settle()
+        assert any("'╭'" in line for line in too_faint(run, "screen 1"))
 
 
 def test_the_contrast_ratio_is_wcag_s():
