@@ -6,6 +6,7 @@ explains, in the lesson's terms, why it is right or not.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from textual.app import ComposeResult
@@ -35,7 +36,7 @@ QUESTIONS: tuple[Question, ...] = (
         "positions, and why?",
         (
             (
-                "1: only the new token.",
+                "1: just the new token; the rest is kept.",
                 False,
                 "That is the cached step. Without a cache nothing of the past is kept, so the "
                 "step must rebuild every earlier token's keys and values too.",
@@ -60,23 +61,23 @@ QUESTIONS: tuple[Question, ...] = (
         "Why can the cache keep the keys and values of past tokens, but not their queries?",
         (
             (
-                "Keys and values never change once computed; a query is only needed once.",
+                "Past keys and values never change; a query is needed only at its own step.",
                 True,
                 "Right. With causal masking a token's keys and values depend only on the tokens "
                 "before it, so they stay valid forever; the query of the new token is used at "
                 "its own step and then never again.",
             ),
             (
-                "Queries are too large to store.",
+                "Queries are larger than keys and values: storing them costs too much memory.",
                 False,
                 "A query is the same size as a key. It is not kept because no later step needs "
                 "it: only the new token asks a question.",
             ),
             (
-                "The cache approximates them to save time.",
+                "Queries change at every step as the context grows, so a kept one goes stale.",
                 False,
-                "Nothing is approximated: the cached and uncached loops emit identical tokens "
-                "(screen 2 checks it step by step).",
+                "A token's query depends only on the tokens before it, as its key and value do: "
+                "it would never change. It is not kept because no later step needs it.",
             ),
         ),
     ),
@@ -92,13 +93,13 @@ QUESTIONS: tuple[Question, ...] = (
                 "sequence in the batch.",
             ),
             (
-                "The number of parameters.",
+                "The parameters, times the bytes of each one, set once at load time.",
                 False,
                 "That is the weights' size, fixed from token 1. The cache grows with the tokens "
                 "held, beside the weights.",
             ),
             (
-                "The answer length alone.",
+                "The answer's tokens times the layers: the prompt's are not kept.",
                 False,
                 "The prompt's tokens are cached too: every position held counts, prompt and "
                 "answer alike.",
@@ -125,13 +126,13 @@ QUESTIONS: tuple[Question, ...] = (
                 "smaller batch, a smaller KV dtype or a bigger GPU are the ways out.",
             ),
             (
-                "The weights got bigger as the chat went on.",
+                "The weights: they grew with every token until they filled the GPU.",
                 False,
                 "No: the weights are the same size at token 1 and token 100,000. What grows is "
                 "the cache of keys and values, one entry per token per layer.",
             ),
             (
-                "The model forgot the start of the chat, so it stopped.",
+                "Its context: the model forgot the start of the chat, so it had to stop.",
                 False,
                 "Forgetting is a different limit (the model's trained context). The refusal "
                 "here is physical: the KV cache no longer fits in memory.",
@@ -152,10 +153,20 @@ class QuizScreen(Screen[int]):
         Binding("n", "next", "Next question"),
     ]
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
         super().__init__()
+        self.seed = seed
+        """Orders each question's answers (`answers`): the same seed, the same order."""
         self.index = 0
         self.right: set[int] = set()
+
+    def answers(self, index: int | None = None) -> list[tuple[str, bool, str]]:
+        """The answers of question `index` (the one shown by default) in the order shown:
+        shuffled by the seed, so that the right one is not always first."""
+        index = self.index if index is None else index
+        shown = list(QUESTIONS[index].answers)
+        random.Random(f"{self.seed}:{index}").shuffle(shown)
+        return shown
 
     def compose(self) -> ComposeResult:
         with Vertical(id="quiz"):
@@ -177,7 +188,7 @@ class QuizScreen(Screen[int]):
         options = self.query_one(OptionList)
         options.clear_options()
         options.add_options(
-            Option(text, id=str(i)) for i, (text, _, _) in enumerate(question.answers)
+            Option(text, id=str(i)) for i, (text, _, _) in enumerate(self.answers())
         )
         options.highlighted = 0
         options.focus()
@@ -186,7 +197,7 @@ class QuizScreen(Screen[int]):
         feedback.update("Pick an answer (↑/↓, enter). n: next question. Escape closes.")
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
-        _, right, words = QUESTIONS[self.index].answers[int(event.option.id or 0)]
+        _, right, words = self.answers()[int(event.option.id or 0)]
         if right:
             self.right.add(self.index)
         feedback = self.query_one("#feedback", Static)

@@ -6,13 +6,13 @@ from dataclasses import replace
 
 from conftest import SETTINGS, build, screen_text, wait_for
 from fakes import FakeEngine, sim_events
-from textual.widgets import Static
+from textual.widgets import OptionList, Static
 
 from kvtui.engine.roofline import MODELLED
 from kvtui.format import format_ratio
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen
-from kvtui.screens.quiz import QuizScreen
+from kvtui.screens.quiz import QUESTIONS, QuizScreen
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.vram import VramBar
@@ -245,7 +245,7 @@ async def test_explain_it_back_asks_each_node_then_the_closing_question():
         text = screen_text(app)
         assert "1 of 4" in text and "token 24" in text
         assert "memory, not compute" not in text and "KV CACHE" not in text  # opaque
-        await pilot.press("down", "enter")  # 24: every position so far
+        await pilot.press(*_to_answer(app.screen, right=True), "enter")  # 24: every position
         feedback = app.screen.query_one("#feedback", Static)
         assert feedback.has_class("-right") and "300" in str(feedback.render())
         await pilot.press("n", "n", "n")
@@ -253,12 +253,47 @@ async def test_explain_it_back_asks_each_node_then_the_closing_question():
         assert "4 of 4" in text and "plenty of compute left" in text
         assert "ran out of room" in text  # the choice, but no feedback yet
         assert not feedback.has_class("-right") and not feedback.has_class("-wrong")
-        await pilot.press("down", "enter")  # memory
+        await pilot.press(*_to_answer(app.screen, right=True), "enter")  # memory
         assert feedback.has_class("-right")
-        await pilot.press("down", "enter")
+        await pilot.press(*_to_answer(app.screen, right=False), "enter")
         assert feedback.has_class("-wrong")
         await pilot.press("escape")
         assert isinstance(app.screen, MemoryScreen)
+
+
+def _to_answer(quiz: QuizScreen, *, right: bool) -> list[str]:
+    """The keys from the highlighted answer to the first right (or wrong) one, as shown."""
+    shown = [is_right for _, is_right, _ in quiz.answers()]
+    target = shown.index(right)
+    here = quiz.query_one(OptionList).highlighted or 0
+    return ["down"] * (target - here) if target >= here else ["up"] * (here - target)
+
+
+async def test_the_quiz_shuffles_and_balances_its_answers_and_hides_them_while_asking():
+    """The right answer is not always first nor the longest (a guess by place or by length
+    would pass), the order is the seed's, and while a question is asked nothing on screen
+    says which answer is right: no feedback, nothing of the lesson's screens behind."""
+    quiz = QuizScreen(seed=0)
+    places = set()
+    for index, question in enumerate(QUESTIONS):
+        shown = quiz.answers(index)
+        assert sorted(shown) == sorted(question.answers)  # the same answers, reordered
+        assert shown == QuizScreen(seed=0).answers(index)  # seeded: the same order again
+        right = next(len(text) for text, is_right, _ in shown if is_right)
+        longest_wrong = max(len(text) for text, is_right, _ in shown if not is_right)
+        assert right <= 1.1 * longest_wrong, question.text  # balanced: no tell in its length
+        places.add([is_right for _, is_right, _ in shown].index(True))
+    assert len(places) > 1  # not always in the same place
+    app = build(3)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("t")
+        for index in range(len(QUESTIONS)):
+            assert app.screen.index == index
+            text = " ".join(screen_text(app).split())
+            for _, _, feedback in app.screen.answers():
+                assert feedback[:40] not in text
+            assert "memory, not compute" not in text and "P + t - 1" not in text
+            await pilot.press("n")
 
 
 async def test_help_opens_and_closes():
