@@ -243,6 +243,7 @@ def run_bench(
     that produced no step, or a record that cannot be written (`RecordError`); Ctrl-C ends the
     run with its record, if any, whole (`Interrupted`)."""
     settings = _cached_first(settings)
+    check_run(settings)  # a run that cannot start (no CUDA) is said before a file is made
     recording = RecordFile(record, force) if record else None  # a bad target costs no load
     try:
         engine = open_engine(settings)
@@ -328,8 +329,9 @@ class RecordFile:
     """A record written to a temporary file beside its target and renamed onto it once whole.
 
     The target must not be a link, nor anything but a regular file, and must not exist unless
-    `force`; its directory must. A failed write (a full disk) or a run that fails discards the
-    temporary file and leaves the target as it was."""
+    `force`; its folder is made if missing (`runs/h100.jsonl` on a fresh checkout). A failed
+    write (a full disk) or a run that fails discards the temporary file, and the folders it
+    made, and leaves the target as it was."""
 
     def __init__(self, path: Path, force: bool) -> None:
         self.path, self.force = path, force
@@ -341,11 +343,13 @@ class RecordFile:
             if not force:
                 raise RecordError(f"--record {path}: already exists (--force replaces it)")
         parent = path.absolute().parent
-        if not parent.is_dir():
-            raise RecordError(f"--record {path}: no such directory {parent}")
+        self._made = [p for p in (parent, *parent.parents) if not os.path.lexists(p)]
+        """The folders made for the record, deepest first: removed again if it is discarded."""
         try:
+            parent.mkdir(parents=True, exist_ok=True)
             fd, temp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".part")
         except OSError as exc:
+            self._remove_made()
             raise self._error(exc) from None
         self._temp = Path(temp)
         self._out: IO[str] | None = os.fdopen(fd, "w", encoding="utf-8")
@@ -412,6 +416,12 @@ class RecordFile:
             self._out = None
         with contextlib.suppress(OSError):
             self._temp.unlink()
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for folder in self._made:  # deepest first; one that is no longer empty stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _cached_first(settings: RunSettings) -> RunSettings:

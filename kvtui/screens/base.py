@@ -216,7 +216,7 @@ class WorkScreen(LessonScreen):
         words = []
         if live.replayed:
             prompt = format_count(live.prompt_tokens, "prompt token")
-            words.append(f"{prompt}, as recorded (r plays it again)")
+            words.append(f"a recording: {prompt} (r replays)")
         elif live.settings.lesson:
             words.append("lesson mode: a 1-token prompt (l: the full prompt)")
         elif live.started is not None:

@@ -293,8 +293,11 @@ class MemoryScreen(LessonScreen):
         )
         self._show_title(b)
         self.set_class(over, "-overflow")
+        context = format_int(b.context_tokens)
         self.query_one("#scenario", Static).update(
-            f"[b]What-if:[/b] {format_int(b.context_tokens)} tokens (←→ -+)\n"
+            f"[b]What-if[/b] {context} tok ←→ · batch {b.batch} b · {b.kv_dtype} k"
+            if self.has_class("-short")  # one line: the live lines below keep theirs
+            else f"[b]What-if:[/b] {context} tokens (←→ -+)\n"
             f"batch {b.batch} (b) · KV {b.kv_dtype} (k) · m g"
         )
         advice = self.query_one("#advice", Static)
@@ -505,7 +508,8 @@ class MemoryScreen(LessonScreen):
             )
         budget = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
         B = self.batch_next
-        if budget != pool.capacity_bytes or live.batch != B or self.length != live.run_tokens:
+        changed = budget != pool.capacity_bytes or live.batch != B or self.length != live.run_tokens
+        if changed and not self.run.replayed:  # a replay plays what was recorded, whatever r
             nxt = replace(pool, capacity_bytes=budget)
             room = nxt.tokens_before_full(P, B)
             after = (
@@ -529,7 +533,9 @@ class MemoryScreen(LessonScreen):
         if started is None:
             return "The running engine's memory appears here once it starts."
         threads = format_count(started.threads, "thread") if started.threads > 0 else ""
-        how = "modelled: roofline" if self.run.how == "modelled" else self.run.how
+        how = {"modelled": "modelled: roofline", "replayed": "measured then"}.get(
+            self.run.how, self.run.how
+        )
         head = "Replayed" if self.run.replayed else "Live"
         lines = [f"[b]{head}[/b] ({how}{', ' + threads if threads else ''}):"]
         if started.dtype_source:

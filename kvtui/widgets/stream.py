@@ -70,7 +70,13 @@ class TokenStream(Widget):
         a model's (a modelled run's stand-in), and the panel says so."""
         self.prompt, self.text, self.current = prompt, text, current
         count = f"{steps:,} tokens" if steps else ""
-        self.border_subtitle = f"placeholder text · {count}" if placeholder else count
+        wordings = (
+            [f"placeholder text · {count}", f"placeholder · {count}", "placeholder text"]
+            if placeholder
+            else [count]
+        )
+        room = self.size.width - 6  # the corners and a dash and a space each side
+        self.border_subtitle = next((w for w in wordings if len(w) <= room), wordings[-1])
 
     def render(self) -> RenderableType:
         if not self.text and not self.prompt:

@@ -231,16 +231,33 @@ def test_record_refuses_to_overwrite_without_force(tmp_path, capsys):
     assert read_record(path)[1]  # replaced by a whole record
 
 
-def test_record_refuses_links_missing_folders_and_devices(tmp_path, capsys):
+def test_record_refuses_links_and_devices(tmp_path, capsys):
     target = tmp_path / "elsewhere.jsonl"
     link = tmp_path / "link.jsonl"
     link.symlink_to(target)
     assert "symbolic link" in refused(capsys, *SIM_RUN, "--record", str(link), "--force")
     assert not target.exists()
-    missing = tmp_path / "no" / "such" / "run.jsonl"
-    assert "no such directory" in refused(capsys, *SIM_RUN, "--record", str(missing))
     assert "not a regular file" in refused(capsys, *SIM_RUN, "--record", "/dev/null", "--force")
     assert "not a regular file" in refused(capsys, *SIM_RUN, "--record", str(tmp_path))
+
+
+def test_record_makes_its_folder_and_stamps_the_run_with_its_date(tmp_path, capsys):
+    """`--record runs/h100.jsonl` on a fresh checkout: the folder is made; the record's start
+    says when it was recorded (a replay then says so), the header too."""
+    path = tmp_path / "runs" / "deeper" / "run.jsonl"
+    assert main([*SIM_RUN, "--record", str(path), "--json"]) == 0
+    header, events = read_record(path)
+    started = events[0]
+    assert started.recorded_at and started.recorded_at == header["recorded_at"]
+    assert started.recorded_at[:4].isdigit() and started.recorded_at[4] == "-"
+
+
+def test_a_run_that_cannot_start_makes_no_folder(tmp_path, capsys):
+    """A bad engine, or CUDA on a machine without it, is said before anything is written."""
+    path = tmp_path / "runs" / "h100.jsonl"
+    bad = ["bench", "--engine", "sim:gpt2@t9", "--record", str(path)]
+    assert "unknown GPU" in refused(capsys, *bad)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_full_disk_leaves_no_record_and_one_line(tmp_path, capsys, monkeypatch):

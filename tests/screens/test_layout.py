@@ -32,9 +32,78 @@ async def test_screen3_shows_the_live_lines(size):
             "read, ",
             "of peak",
             "FLOPs/byte, ridge 295: memory-bound",
-            "What-if: 24,000 tokens",
+            "24,000 tok",
         ):
             assert words in text, f"{words!r} not on screen at {size}"
+        assert app.screen.query_one(".side").max_scroll_y == 0  # all of it, without scrolling
+
+
+ESSENTIALS = {
+    1: (
+        "1 · Without a cache",
+        "PER STEP",
+        "TOTAL",
+        "WASTED",
+        "ANSWER",
+        "Without a cache",
+        "placeholder text",  # the sim: engine's text is not a model's
+        "positions per step, modelled",
+        "modelled time per step (right axis)",
+        "9 prompt tokens (l: lesson mode)",
+        "with the square of the length.",
+    ),
+    2: (
+        "2 · With the cache",
+        "WITHOUT",
+        "BY COUNT",
+        "MODELLED",
+        "identical: 32 tokens",
+        "without a cache",
+        "with a cache",
+        "Modelled (roofline), not measured",
+    ),
+    3: (
+        "3 · The cache grows",
+        "LIVE (modelled): llama-3.1-8b on sim: h100",
+        "Holds 459,088 tokens",
+        "WHAT-IF (modelled): Llama 3.1 8B (bf16) on",
+        "KV CACHE",
+        "MAX CONTEXT",
+        "24,000 tok",
+        "KV held",
+        "FLOPs/byte, ridge 295: memory-bound",
+        "runs out.",
+    ),
+}
+
+
+@pytest.mark.parametrize("screen", [1, 2, 3])
+async def test_80x24_every_screen_shows_its_essentials_whole(screen):
+    """At 80x24 each screen shows its figures, legends and lines without scrolling, and no
+    header, title, card or bar is cut (nothing ends in an ellipsis)."""
+    app = build(screen)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(app, pilot)
+        text = screen_text(app)
+        joined = " ".join(text.split())
+        for words in ESSENTIALS[screen]:
+            assert words in joined, f"{words!r} not whole on screen {screen} at 80x24"
+        assert "…" not in text, text
+        assert text.splitlines()[0].rstrip().endswith("CPU, no GPU")  # the header, whole
+        for scrolled in app.screen.query(".side"):
+            assert scrolled.max_scroll_y == 0
+
+
+async def test_80x24_screen3_keeps_its_lines_with_a_next_run_pending():
+    """The budget keys add a line ("Next run: ..."): the live lines still fit."""
+    app = build(3)
+    async with app.run_test(size=SMALL) as pilot:
+        await settle(app, pilot)
+        await pilot.press("left_square_bracket", "n")
+        await settle(app, pilot)
+        text = " ".join(screen_text(app).split())
+        assert "Next run:" in text and "FLOPs/byte, ridge 295: memory-bound" in text
+        assert app.screen.query_one(".side").max_scroll_y == 0
 
 
 async def test_80x24_screen1_keeps_its_narrative_and_legend():
