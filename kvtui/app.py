@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from textual import work
@@ -180,7 +181,7 @@ class KVApp(App[int]):
         Binding("space", "pause", "Pause"),
         Binding("r", "restart", "Run"),
         Binding("l", "lesson", "Lesson", show=False),
-        Binding("t", "quiz", "Explain it back", show=False),
+        Binding("t", "quiz", "Quiz"),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit", priority=True),
     ]
@@ -262,6 +263,17 @@ class KVApp(App[int]):
         from kvtui.screens.quiz import QuizScreen
 
         self.push_screen(QuizScreen())
+
+    def deliver_screenshot(
+        self, filename: str | None = None, path: str | None = None, time_format: str | None = None
+    ) -> str | None:
+        """The palette's Screenshot: into ~/Downloads where there is one (Textual's choice),
+        else the current folder. Textual assumed the Downloads folder exists, and on a server
+        without one said only "Failed to save screenshot"."""
+        if path is None:
+            downloads = Path.home() / "Downloads"
+            path = str(downloads if downloads.is_dir() else Path.cwd())
+        return super().deliver_screenshot(filename, path, time_format)
 
     def action_help(self) -> None:
         from kvtui.screens.help import HelpScreen

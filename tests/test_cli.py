@@ -509,6 +509,24 @@ def test_a_closed_stdout_is_not_a_traceback():
     assert done.returncode in (0, 2) and "Traceback" not in done.stderr
 
 
+def test_a_shape_this_machine_cannot_hold_is_refused_before_the_app_opens(capsys, monkeypatch):
+    """`kvtui --engine shape:llama-3.1-8b` on a laptop: one line, exit 2, naming the shapes
+    that fit in its free memory, before any app (or torch) starts; one that fits passes on (to
+    the terminal check, here)."""
+    import kvtui.engine.spec
+
+    monkeypatch.setattr(
+        kvtui.engine.spec, "free_memory", lambda s: (2 << 30, "free host RAM", False)
+    )
+    code = main(["--engine", "shape:llama-3.1-8b"])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert "shape:llama-3.1-8b needs 31.9 GiB" in err and "2 GiB of free host RAM" in err
+    assert "fit here: shape:tiny-austen, shape:gpt2" in err and "llama-3.2-3b" not in err
+    assert main(["--engine", "shape:gpt2"]) == 2
+    assert "needs a terminal" in capsys.readouterr().err  # it fits: on to the next check
+
+
 def test_the_app_without_a_terminal_says_so_in_one_line(capsys):
     """`kvtui </dev/null >out`: one line and exit 2, never escape codes written forever."""
     code = main(["--engine", "sim:llama-3.1-8b@h100"])  # pytest's stdin is not a terminal

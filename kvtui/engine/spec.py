@@ -28,6 +28,7 @@ from kvtui.engine.protocol import (
 )
 from kvtui.gpu.probe import cuda_visible
 from kvtui.paths import TINY_NAME
+from kvtui.sim.catalog import ModelSpec
 
 EngineKind = Literal["tiny", "shape", "sim", "replay", "hf", "vllm"]
 
@@ -136,12 +137,15 @@ def check_engine(settings: RunSettings) -> None:
     """Refuse a run that cannot start, before a UI opens: `EngineError` with one clear line.
 
     Cheap and torch-free: `check_run`, then names are looked up in the catalogs, a replay file is
-    read, a model directory's config and weight headers are checked; whether a torch model fits
-    in memory is still the engine's to say.
+    read, a model directory's config and weight headers are checked, and a `shape:` model that
+    does not fit in this machine's free memory is refused naming those that do
+    (`check_shape_fits`); whether an hf: model fits is still the engine's to say.
     """
     spec = check_run(settings)
     if spec.kind in ("sim", "replay", "vllm"):  # vllm: asks the server what it serves
         open_engine(settings).close()
+    elif spec.kind == "shape":
+        check_shape_fits(settings, spec)
     elif spec.kind == "hf":
         from kvtui.sim.catalog import ConfigError
         from kvtui.sim.hf_config import model_from_hf_config
@@ -257,3 +261,88 @@ def check_run(settings: RunSettings) -> EngineSpec:
         label, limit = known
         check_positions(label, prompt_positions(settings), settings.tokens, limit)
     return spec
+
+
+# --- whether a shape: model fits here, without torch -----------------------------------------
+
+
+def shape_bytes(model: ModelSpec, context: int, batch: int, *, gpu: bool) -> tuple[int, str]:
+    """What `shape:MODEL` needs on a GPU or a CPU, and what that is in words: kvtui's decoder in
+    the model's shape (its own parameters, kvtui.sim.catalog.estimate_params, in the dtype it
+    computes in there: kvtui.sim.catalog.compute_dtype) and the KV cache of `batch` sequences of
+    `context` tokens; on a CPU also a copy of the largest weight, which laying the weights out
+    for one-vector products makes one at a time."""
+    from kvtui.sim.catalog import compute_dtype, dtype_bytes, estimate_params
+    from kvtui.sim.memory import kv_bytes
+
+    dtype, _ = compute_dtype(model.default_dtype, gpu=gpu)
+    element = int(dtype_bytes(dtype))
+    params = estimate_params(
+        layers=model.layers,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        vocab_size=model.vocab_size,
+        tied_embeddings=False,
+    )
+    need = params * element + kv_bytes(model, context, batch, dtype)
+    what = f"{dtype} weights + KV cache for {context:,} tokens" + (
+        f" x {batch}" if batch > 1 else ""
+    )
+    if not gpu:
+        q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+        largest = model.hidden_size * max(
+            q + 2 * kv, q, 2 * model.intermediate_size, model.vocab_size
+        )
+        need += largest * element
+        what += " + a copy of the largest weight"
+    return need, what
+
+
+def free_memory(settings: RunSettings) -> tuple[int, str, bool] | None:
+    """This machine's free memory where a torch engine would run (bytes, what it is, whether
+    a GPU), torch-free: a GPU's as NVML reads it, else free host RAM; None where it cannot be
+    read (a GPU without NVML)."""
+    import os
+
+    if settings.device != "cpu" and cuda_visible():
+        from kvtui.gpu.probe import probe_summary
+
+        free = probe_summary().get("free_bytes")
+        return (free, "free GPU memory", True) if isinstance(free, int) else None
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM", False
+    except (ValueError, OSError):
+        return None
+
+
+def check_shape_fits(settings: RunSettings, spec: EngineSpec) -> None:
+    """`EngineError`, before any app opens, when `shape:MODEL` needs more than this machine's
+    free memory (`shape_bytes` against `free_memory`), naming the catalog shapes that fit."""
+    from kvtui.format import format_bytes
+    from kvtui.sim.catalog import get_model, model_names
+
+    assert spec.model is not None  # parse_engine sets it for shape:
+    model = get_model(spec.model)  # check_run has looked it up
+    free = free_memory(settings)
+    if free is None or model.is_mla or model.active_params is not None:
+        return  # unknown here, or a shape the engine refuses with its own words
+    have, where, gpu = free
+    context, batch = prompt_positions(settings) + settings.tokens, settings.batch
+    need, what = shape_bytes(model, context, batch, gpu=gpu)
+    if need <= have:
+        return
+    fits = [
+        f"shape:{name}"
+        for name in model_names()
+        if not get_model(name).is_mla
+        and get_model(name).active_params is None
+        and shape_bytes(get_model(name), context, batch, gpu=gpu)[0] <= have
+    ]
+    here = f"fit here: {', '.join(fits)}" if fits else "no catalog shape fits here"
+    raise EngineError(
+        f"shape:{model.name} needs {format_bytes(need)} ({what}) but this machine has "
+        f"{format_bytes(have)} of {where}; {here} (or tiny, or sim:{model.name}@h100 on paper)"
+    )

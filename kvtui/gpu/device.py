@@ -9,7 +9,7 @@ import torch
 
 from kvtui.engine.protocol import EngineError
 from kvtui.gpu.probe import open_probe
-from kvtui.sim.catalog import match_gpu, normalize_dtype
+from kvtui.sim.catalog import compute_dtype, match_gpu, normalize_dtype
 
 
 def synchronize(device: torch.device) -> None:
@@ -59,24 +59,12 @@ _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfl
 
 
 def run_dtype(device: torch.device, stored: str) -> tuple[torch.dtype, str]:
-    """The dtype a model whose weights are stored in `stored` (a kvtui.sim name: "fp16")
-    computes in on `device`, and why, in words: the weights' own on a GPU where it can (bf16
-    where the GPU has it, fp16 where not; 8-bit and 4-bit weights in bf16, since kvtui's torch
-    code has no kernels for them), fp32 on a CPU (kvtui's CPU kernels are fp32)."""
-    stored = normalize_dtype(stored)
-    if device.type != "cuda":
-        if stored == "fp32":
-            return torch.float32, "the weights' own"
-        return torch.float32, f"{stored} weights; a CPU computes fp32"
-    if stored in ("fp32", "fp16"):
-        return _TORCH_DTYPES[stored], "the weights' own"
-    bf16 = torch.cuda.is_bf16_supported()
-    if stored == "bf16":
-        if bf16:
-            return torch.bfloat16, "the weights' own"
-        return torch.float16, "bf16 weights; this GPU has no bf16"
-    compute = torch.bfloat16 if bf16 else torch.float16
-    return compute, f"{stored} weights; no {stored} kernels here"
+    """The torch dtype a model stored in `stored` (a kvtui.sim name: "fp16") computes in on
+    `device`, and why, in words (kvtui.sim.catalog.compute_dtype: the weights' own on a GPU
+    where it can, fp32 on a CPU)."""
+    gpu = device.type == "cuda"
+    name, why = compute_dtype(stored, gpu=gpu, gpu_has_bf16=gpu and torch.cuda.is_bf16_supported())
+    return _TORCH_DTYPES[name], why
 
 
 def dtype_name(dtype: torch.dtype) -> str:

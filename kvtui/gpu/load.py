@@ -12,12 +12,11 @@ from safetensors import safe_open
 
 from kvtui.engine.protocol import EngineError
 from kvtui.format import format_bytes
-from kvtui.gpu.device import available_bytes, dtype_name
+from kvtui.gpu.device import available_bytes
 from kvtui.gpu.model import ModelArgs, Transformer
 from kvtui.paths import TINY_WEIGHTS, asset_path
 from kvtui.sim.catalog import ModelSpec, spec_matrix_params
 from kvtui.sim.hf_config import safetensors_dtype
-from kvtui.sim.memory import kv_bytes
 
 TINY_ARGS = ModelArgs(n_layer=6, n_head=8, n_kv_head=2, dim=256, intermediate_size=512)
 """The tiny model's shape, used for seeded random weights when the shipped file is missing."""
@@ -105,12 +104,6 @@ def args_for_shape(spec: ModelSpec) -> ModelArgs:
     )
 
 
-def _largest_weight(args: ModelArgs) -> int:
-    """Elements of the model's largest linear weight."""
-    q_dim, kv_dim = args.n_head * args.head_dim, args.n_kv_head * args.head_dim
-    return args.dim * max(q_dim + 2 * kv_dim, q_dim, 2 * args.intermediate_size, args.vocab_size)
-
-
 def build_shape(
     spec: ModelSpec,
     device: torch.device,
@@ -121,13 +114,10 @@ def build_shape(
 ) -> Transformer:
     """Random weights in a catalog model's shape; `EngineError`, before allocating, if too big
     (the weights and the KV cache of `batch` sequences of `context` tokens)."""
+    from kvtui.engine.spec import shape_bytes  # the CLI's check before an app opens, too
+
     args = args_for_shape(spec)
-    element = torch.empty((), dtype=dtype).element_size()
-    need = args.params * element + kv_bytes(spec, context, batch, dtype_name(dtype))
-    what = f"weights + KV cache for {context:,} tokens" + (f" x {batch}" if batch > 1 else "")
-    if device.type == "cpu":  # `ready_to_decode` copies one weight at a time into a new layout
-        need += _largest_weight(args) * element
-        what += " + a copy of the largest weight"
+    need, what = shape_bytes(spec, context, batch, gpu=device.type == "cuda")
     have, where = available_bytes(device)
     if need > have:
         raise EngineError(

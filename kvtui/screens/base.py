@@ -83,6 +83,7 @@ class LessonScreen(Screen):
         self._check_size(event.size.width, event.size.height)
 
     def _check_size(self, width: int, height: int) -> None:
+        self.query_one(KeysFooter).compact = width < 100  # every key fits 80 columns
         small = too_small(width, height)
         self.set_class(small, "-too-small")
         if small:

@@ -18,7 +18,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
 [b]Device[/b] {device}
   1 2 3        switch screen
   space        pause / resume the engine
-  ← → - +      answer length (1, 2); context (3: - + halve, double)
+  ← → - +      answer length (1, 2; shift+← → halve, double); context (3)
   r            run again, exactly the chosen length
   l            lesson mode: a 1-token prompt, the lesson's exact counts
   c            cache on / off (2)
@@ -28,7 +28,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
   f            fill a vllm:URL server's KV cache: a bounded load (3)
   m g k b      what-if model, GPU, KV dtype, batch (3)
   t            explain it back: the lesson's questions
-  ctrl+p       command palette: engine, model and GPU
+  ctrl+p       command palette: engines, what-if, themes, screenshot
   ?            this help (escape closes it)
   q            quit"""
 

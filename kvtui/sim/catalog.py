@@ -82,6 +82,24 @@ def serving_dtypes(published: str) -> tuple[str, str]:
     return weights, weights if weights in ("fp16", "bf16") else "bf16"
 
 
+def compute_dtype(stored: str, *, gpu: bool, gpu_has_bf16: bool = True) -> tuple[str, str]:
+    """The dtype kvtui's torch engines compute a model stored in `stored` in, and why, in
+    words: on a GPU the weights' own where it can (bf16 where the GPU has it, else fp16; 8-bit
+    and 4-bit weights in bf16, as kvtui's torch code has no kernels for them); on a CPU fp32
+    (kvtui's CPU kernels are fp32). kvtui.gpu.device.run_dtype gives the torch dtype."""
+    stored = normalize_dtype(stored)
+    if not gpu:
+        return (
+            "fp32",
+            "the weights' own" if stored == "fp32" else f"{stored} weights; a CPU computes fp32",
+        )
+    if stored in ("fp32", "fp16") or stored == "bf16" and gpu_has_bf16:
+        return stored, "the weights' own"
+    if stored == "bf16":
+        return "fp16", "bf16 weights; this GPU has no bf16"
+    return ("bf16" if gpu_has_bf16 else "fp16"), f"{stored} weights; no {stored} kernels here"
+
+
 def dtype_bytes(name: str) -> Fraction:
     """Bytes per element of a dtype, exact (`int4` -> 1/2)."""
     return DTYPE_BYTES[normalize_dtype(name)]

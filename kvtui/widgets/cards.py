@@ -93,7 +93,7 @@ class StatCard(Widget):
 
     def _show_note(self) -> None:
         wordings = (self.note,) if isinstance(self.note, str) else self.note
-        room = self.size.width - 6  # the corners and a dash each side
+        room = self.outer_size.width - 6  # the corners and a dash each side
         fits = [w for w in wordings if len(w) <= room]
         self.border_subtitle = fits[0] if fits else (wordings[-1] if wordings else "")
 

@@ -75,7 +75,7 @@ class TokenStream(Widget):
             if placeholder
             else [count]
         )
-        room = self.size.width - 6  # the corners and a dash and a space each side
+        room = self.outer_size.width - 6  # the corners and a dash and a space each side
         self.border_subtitle = next((w for w in wordings if len(w) <= room), wordings[-1])
 
     def render(self) -> RenderableType:

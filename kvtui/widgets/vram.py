@@ -125,7 +125,7 @@ class VramBar(Widget):
         self._fit_titles()
 
     def _fit_titles(self) -> None:
-        room = self.size.width - 6  # the corners and a dash and a space each side
+        room = self.outer_size.width - 6  # the corners and a dash and a space each side
         for attribute, wordings in (
             ("border_title", self._titles),
             ("border_subtitle", self._subtitles),

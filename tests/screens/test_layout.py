@@ -46,7 +46,7 @@ ESSENTIALS = {
         "WASTED",
         "ANSWER",
         "Without a cache",
-        "placeholder text",  # the sim: engine's text is not a model's
+        "placeholder · 32 tokens",  # the sim: engine's text is not a model's
         "positions per step, modelled",
         "modelled time per step (right axis)",
         "9 prompt tokens (l: lesson mode)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from conftest import SETTINGS, build, screen_text, wait_for
+from conftest import SETTINGS, build, notifications, screen_text, wait_for
 from fakes import FakeEngine, sim_events
 from textual.widgets import OptionList, Static
 
@@ -341,3 +341,19 @@ async def test_a_run_past_the_trained_context_says_so_where_it_happens():
         await settle(app, pilot)
         text = " ".join(screen_text(app).split())  # the note wraps beside the stream's border
         assert "from token 21 past the" in text and "context the model was trained on" in text
+
+
+async def test_the_palettes_screenshot_is_saved(tmp_path, monkeypatch):
+    """The palette's Screenshot on a machine without ~/Downloads (a server, a container):
+    saved in the current folder and said so, not "Failed to save screenshot"."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no Downloads folder there
+    monkeypatch.chdir(tmp_path)
+    app = build(1)
+    seen = []
+    async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
+        await settle(app, pilot)
+        app.action_screenshot()
+        await wait_for(pilot, lambda: any("screenshot" in n for n in notifications(seen)))
+        assert any(n.startswith("Saved screenshot") for n in notifications(seen))
+        (saved,) = tmp_path.glob("*.svg")
+        assert "PER&#160;STEP" in saved.read_text(encoding="utf-8")  # spaces are &#160; in SVG
