@@ -77,7 +77,7 @@ def read_record(path: Path) -> tuple[dict[str, Any], list[Event]]:
     """The header and events of a record; `EngineError` with one clear line if it is not one
     (see the module's docstring for what is checked)."""
     if not path.exists() and not path.is_symlink():
-        raise EngineError(f"no recorded run at {path}")
+        raise EngineError(f"no recorded run at {path} (kvtui bench --record {path} makes one)")
     try:
         with contextlib.closing(read_lines(path, MAX_RECORD_BYTES, MAX_LINE_BYTES)) as lines:
             header = _read_header(path, next(lines, (1, ""))[1])

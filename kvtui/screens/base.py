@@ -4,6 +4,7 @@ the App's run."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -133,13 +134,18 @@ class LessonScreen(Screen):
         # NVML's reading in full where it read a GPU; else plain words ("CPU, no GPU", "GPU,
         # NVML unavailable"), the reason in help (`?`), never a library's name in the header.
         nvml = (self.run.probe or {}).get("probe") == "nvml"
+        engine = brief = self.run.settings.engine
+        if self.run.replayed:  # where and when it was recorded, before the record's name
+            engine = f"replayed: {self.run.recorded}"
+            brief = engine.replace(": recorded on ", ": ")
         self.query_one(RunHeader).show(
             self.run.device_description if nvml else self.run.device_label,
-            self.run.settings.engine,
+            engine,
             self._model_words(),
             self.run.state,
             self._status_words(),
             device_label=self.run.device_label,
+            engine_short=brief,
         )
         self.redraw()
 
@@ -148,8 +154,8 @@ class LessonScreen(Screen):
         if started is None:
             return ""
         parts = [] if started.model in self.run.settings.engine else [started.model]
-        if self.run.replayed:
-            parts.append(f"replayed: {self.run.recorded}")
+        if self.run.replayed:  # the engine's place says where and when: here, which record
+            parts.insert(0, Path(self.run.settings.engine.removeprefix("replay:")).name)
         elif not started.device.startswith("sim"):
             parts.append(started.device)
         parts.append(started.dtype)

@@ -25,8 +25,8 @@ from kvtui.widgets.stream import TokenStream
 
 CAPTION = "{uncached} without a cache   {cached} with a cache   (counted by the engine)   x: tokens"
 CAPTION_NARROW = "{uncached} without a cache  {cached} with a cache  x: tokens"
-CAPTION_OFF = "{uncached} without a cache   (counted by the engine; c shows the cache)   x: tokens"
-CAPTION_OFF_NARROW = "{uncached} without a cache  (c: the cache)  x: tokens"
+CAPTION_OFF = "{uncached} without a cache   (counted by the engine)   x: tokens"
+CAPTION_OFF_NARROW = "{uncached} without a cache  x: tokens"
 
 
 def _axes(plt: Plot, length: int, top: float, rows: int) -> None:

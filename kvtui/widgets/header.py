@@ -29,7 +29,7 @@ class RunHeader(Widget):
 
     def __init__(self) -> None:
         super().__init__()
-        self._parts: tuple[str, str, str, str, str] = ("", "", "", "", "")
+        self._parts: tuple[str, str, str, str, str, str] = ("", "", "", "", "", "")
 
     def show(
         self,
@@ -40,22 +40,26 @@ class RunHeader(Widget):
         status: str,
         *,
         device_label: str,
+        engine_short: str = "",
     ) -> None:
         """`device` in full (the probe's `description`); `device_label` in a few words (its
-        `label`), used when the line is narrow."""
+        `label`), used when the line is narrow; `engine_short`, the engine in fewer words, when
+        even that is too long."""
         for name in ("running", "paused", "done", "failed", "stopped", "starting"):
             self.set_class(name == state, f"-{name}")
-        parts = (MARKS.get(state, "… ") + status, engine, model, device, device_label)
+        mark = MARKS.get(state, "… ")
+        parts = (mark + status, engine, model, device, device_label, engine_short or engine)
         if parts != self._parts:  # a redraw that changed nothing repaints nothing
             self._parts = parts
             self.refresh()
 
     def variants(self) -> list[Text]:
         """The header's line, from the fullest wording to the shortest."""
-        status, engine, model, device, short = self._parts
-        wordings = [(model, device), (model, short), ("", short)]
+        status, full, model, device, short, brief = self._parts
+        wordings = [(full, model, device), (full, model, short), (full, "", short)]
+        wordings.append((brief, "", short))
         lines = []
-        for words, where in wordings:
+        for engine, words, where in wordings:
             for separator in ("  │  ", " │ "):
                 text = Text(no_wrap=True, overflow="ellipsis", end="")
                 text.append(status, style="bold")

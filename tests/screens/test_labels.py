@@ -1,0 +1,164 @@
+"""Every label says how its figure was had, per engine: measured (tiny, shape:, hf: running
+now), modelled (sim:), replayed (a record of a measured run, with where and when it was made);
+the what-if follows the run (its split, its dtype); a probe that cannot read the GPU says so
+in plain words. Driven headless through kvtui.testing, as a user sees the screens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fakes import measured_events
+
+from kvtui.engine.protocol import Event, RunStarted
+from kvtui.engine.replay import read_record
+from kvtui.gpu.probe import NullProbe
+from kvtui.paths import asset_path
+from kvtui.testing import HeadlessRun, RunSettings, headless
+
+RECORD = asset_path("tiny-cpu.jsonl")
+"""The shipped recording: kvtui bench --engine tiny --tokens 64, on this project's CPU."""
+SIZE = (100, 30)
+
+
+def as_live(events: list[Event], **started: object) -> list[Event]:
+    """A recorded run's events as the engine sends them while it runs (no recording date)."""
+    return [
+        replace(e, recorded_at="", **started) if isinstance(e, RunStarted) else e for e in events
+    ]
+
+
+async def screens(run: HeadlessRun) -> dict[int, str]:
+    """Screens 1, 2 and 3 as text, the run ended, each line's words joined by single spaces."""
+    await run.until_done()
+    shown = {}
+    for screen in (1, 2, 3):
+        await run.press(str(screen))
+        await run.settle()
+        shown[screen] = " ".join(run.text().split())
+    return shown
+
+
+async def test_a_live_tiny_run_says_measured_everywhere():
+    _, events = read_record(RECORD)
+    async with headless(RunSettings("tiny", tokens=64), engine=as_live(events), size=SIZE) as run:
+        shown = await screens(run)
+    header = shown[1][: shown[1].index("1 ·")]
+    assert "tiny (tiny-austen, cpu, fp32, 1 thread)" in header
+    assert "positions recomputed per step, measured" in shown[1]
+    assert "measured time per step" in shown[1]
+    assert "MEASURED" in shown[2] and "wall time" in shown[2]
+    assert "LIVE (measured): tiny-austen on cpu" in shown[3]
+    assert "fp32: fp16 weights; a CPU computes fp32" in shown[3]  # which dtype ran, and why
+    assert "Formula bytes, FLOPs / measured time:" in shown[3]
+    for text in shown.values():
+        assert "placeholder" not in text and "replayed" not in text.lower()
+        assert "MODELLED" not in text and "modelled time" not in text
+
+
+async def test_a_shape_and_an_hf_run_say_measured_and_the_what_if_follows_the_shape():
+    shape = RunSettings("shape:gpt2", tokens=16)
+    events = as_live(measured_events(shape), model="shape:gpt2", dtype_source="the weights' own")
+    async with headless(shape, 3, engine=events, size=SIZE) as run:
+        text = (await screens(run))[3]
+        assert "LIVE (measured): shape:gpt2 on cpu" in text
+        assert "WHAT-IF (modelled): GPT-2" in text and run.app.screen.model == "gpt2"
+    hf = RunSettings("hf:/models/Qwen2.5-0.5B", tokens=16)
+    events = as_live(
+        measured_events(hf),
+        model="Qwen/Qwen2.5-0.5B",
+        kv_capacity_bytes=None,  # transformers' own cache: no pool
+        dtype="fp32",
+        dtype_source="bf16 weights; a CPU computes fp32",
+    )
+    async with headless(hf, 3, engine=events, size=SIZE) as run:
+        shown = await screens(run)
+    assert "measured time per step" in shown[1] and "MEASURED" in shown[2]
+    assert "LIVE (measured): Qwen/Qwen2.5-0.5B on cpu: no KV pool" in shown[3]
+    assert "fp32: bf16 weights; a CPU computes fp32" in shown[3]
+
+
+async def test_a_sim_run_says_modelled_everywhere_and_its_text_is_a_placeholder():
+    async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=24), size=SIZE) as run:
+        shown = await screens(run)
+    assert "positions recomputed per step, modelled" in shown[1]
+    assert "modelled time per step" in shown[1] and "measured time" not in shown[1]
+    for screen in (1, 2):
+        assert "placeholder text" in shown[screen]  # Austen's opening, not the 8B model's
+    assert "MODELLED" in shown[2] and "roofline" in shown[2] and "MEASURED" not in shown[2]
+    assert "LIVE (modelled): llama-3.1-8b on sim: NVIDIA H100" in shown[3]
+    assert "bf16: as vLLM serves bf16 weights" in shown[3]
+    assert "Formula bytes, FLOPs / modelled time:" in shown[3]
+
+
+async def test_a_replay_says_where_and_when_it_was_recorded_and_plays_only_that():
+    """The shipped record, played back on this machine: replayed, recorded on cpu, its date;
+    `l` and the length keys leave a recording's run alone (no "lesson mode" over its figures,
+    no "r runs 256 tokens")."""
+    async with headless(RunSettings(f"replay:{RECORD}"), size=SIZE) as run:
+        shown = await screens(run)
+        recorded = "recorded on cpu, 2026-12-02"
+        assert f"replayed: {recorded}" in shown[1][: shown[1].index("1 ·")]  # the header
+        assert "positions recomputed per step, replayed" in shown[1]
+        assert "REPLAYED" in shown[2] and "wall time" in shown[2]
+        assert f"REPLAY ({recorded}): tiny-austen" in shown[3]
+        assert "Replayed (measured then, 1 thread):" in shown[3]
+        assert "Next run" not in shown[3] and "LIVE" not in shown[3]
+        await run.press("1", "right", "l")
+        await run.settle()
+        text = " ".join(run.text().split())
+        assert "a recording: 44 prompt tokens (r replays)" in text and "r runs" not in text
+        assert "lesson mode" not in text.replace("(l: lesson mode)", "")
+        assert run.notifications[-1].startswith("A replay plays the run as it was recorded")
+        assert len(run.engines) == 1  # l restarted nothing
+
+
+async def test_with_the_cache_off_screen_2_shows_nothing_of_the_cached_loop():
+    settings = RunSettings("tiny", tokens=24)
+    async with headless(settings, 2, engine=measured_events(settings), size=SIZE) as run:
+        await run.until_done()
+        assert "A cached step:" in " ".join(run.text().split())
+        await run.press("c")
+        await run.settle()
+        text = " ".join(run.text().split())
+    assert "A cached step" not in text and "with a cache" not in text
+    assert "without a cache (counted by the engine) x: tokens" in text
+    assert "c puts the cached loop beside it" in text
+
+
+async def test_the_what_if_follows_a_tensor_parallel_run_and_its_dtype():
+    """sim:llama-3.1-70b@4xh100 holds half a million tokens per GPU: the what-if below it is
+    the same split (one H100's share), not the whole 70B on one H100 (239%, OVERFLOW); and
+    sim:deepseek-v3 runs and is priced in its published fp8 in both places."""
+    async with headless("sim:llama-3.1-70b@4xh100", 3, size=SIZE) as run:
+        text = (await screens(run))[3]
+        budget = run.app.screen.budget()
+        assert budget.tp == 4 and budget.fits and budget.max_context_tokens
+        assert run.card("status").value == "FITS" and run.card("max-context").value != "0"
+        assert "Llama 3.1 70B (bf16) on 4x" in text and "per GPU" in text
+        await run.press("m")  # another model: the run's split was the run's model's
+        assert run.app.screen.budget().tp == 1
+    async with headless("sim:deepseek-v3@8xh200", 3, size=SIZE) as run:
+        text = (await screens(run))[3]
+        assert run.app.live.started.dtype == "fp8" == run.app.screen.budget().weights_dtype
+        assert "DeepSeek-V3 (671B MoE) (fp8)" in text and "fp8: as vLLM serves fp8 weights" in text
+        assert run.app.screen.budget().kv_dtype == "bf16"  # the activations' dtype, as served
+
+
+async def test_a_gpu_nvml_cannot_read_is_said_in_plain_words():
+    """A CUDA box without nvidia-ml-py (or with NVML refused): the header says "GPU, NVML
+    unavailable" (not "CPU, no GPU", nor the library's name); help gives the reason; the
+    what-if says why its GPU is an example."""
+    probe = NullProbe("nvidia-ml-py is not installed (no pynvml module)", gpu_seen=True)
+    summary = {"probe": "null", "label": probe.label(), "description": probe.describe()}
+    async with headless("sim:llama-3.1-8b@h100", 3, probe=summary, size=(160, 48)) as run:
+        await run.until_done()
+        await run.press("g")  # a GPU chosen by hand: no reason given
+        await run.press("3")
+        text = run.text()
+        assert text.splitlines()[0].rstrip().endswith("GPU, NVML unavailable")
+        assert "pynvml" not in text.splitlines()[0] and "CPU, no GPU" not in text
+        await run.press("question_mark")
+        assert "GPU, NVML unavailable: nvidia-ml-py is not installed" in run.text()
+    async with headless("tiny", 3, engine=[], probe=summary, size=(160, 48)) as run:
+        await run.settle()
+        assert "(an example: NVML cannot read this GPU)" in " ".join(run.text().split())
