@@ -190,6 +190,8 @@ def test_steps_carry_the_engine_protocol_fields(saved):
         engine.close()
     started = events[0]
     assert isinstance(started, RunStarted)
+    # The saved model's config says float32: on the CPU it runs in it, and says why.
+    assert (started.dtype, started.dtype_source) == ("fp32", "the weights' own")
     P = started.prompt_tokens
     steps = {
         loop: [e for e in events if isinstance(e, StepSample) and e.loop == loop]

@@ -94,27 +94,47 @@ def test_sim_bad_names(engine):
         open_engine(RunSettings(engine=engine))
 
 
-def write_record(path, settings, events, **header) -> None:
+RECORDED_AT = "2026-12-02T06:00:00+0000"
+
+
+def write_record(path, settings, events, **header) -> list:
+    """A record of `events` as `kvtui bench --record` writes one, its start stamped with when
+    it was recorded; returns the events as written (what a replay of it plays)."""
+    stamped = [
+        replace(e, recorded_at=RECORDED_AT) if isinstance(e, RunStarted) else e for e in events
+    ]
     with open(path, "w", encoding="utf-8") as out:
         writer = RecordWriter(out, settings, **header)
-        for event in events:
+        for event in stamped:
             writer.write(event)
+    return stamped
 
 
 def test_record_then_replay_gives_the_same_samples(tmp_path):
     events = list(run_events(open_engine(SIM), SIM))
     path = tmp_path / "run.jsonl"
-    write_record(path, SIM, events, device="test")
+    events = write_record(path, SIM, events, device="test")
     header, recorded = read_record(path)
     assert header["settings"]["engine"] == SIM.engine and recorded == events
     replay = RunSettings(engine=f"replay:{path}", replay_speed=0)
     engine = open_engine(replay)
     assert engine.settings.tokens == 40  # what was recorded runs, whatever was asked
-    replayed = list(run_events(engine, engine.settings))
-    # A record written before RunStarted.recorded_at says it was made at an unknown date
-    # (here its header has none either); everything else is as recorded.
-    assert replayed[0] == replace(events[0], recorded_at="unknown")
-    assert replayed[1:] == events[1:]
+    assert list(run_events(engine, engine.settings)) == events
+    assert events[0].recorded_at == RECORDED_AT  # a replay says when it was recorded
+
+
+def test_an_older_record_is_dated_from_its_header_or_unknown(tmp_path):
+    """A record written before RunStarted carried its date: the header's `recorded_at`, else
+    "unknown"; a replay is never taken for a run happening now."""
+    events = list(run_events(open_engine(replace(SIM, tokens=2)), replace(SIM, tokens=2)))
+    for header in ({"recorded_at": "2025-01-31T10:00:00+0000"}, {}):
+        path = tmp_path / "old.jsonl"
+        with open(path, "w", encoding="utf-8") as out:
+            writer = RecordWriter(out, replace(SIM, tokens=2), **header)
+            for event in events:  # as an older bench wrote them: the start undated
+                writer.write(event)
+        started = open_engine(RunSettings(engine=f"replay:{path}")).started()
+        assert started.recorded_at == header.get("recorded_at", "unknown")
 
 
 def test_replay_keeps_the_recorded_pace(tmp_path, monkeypatch):
@@ -129,7 +149,7 @@ def test_replay_keeps_the_recorded_pace(tmp_path, monkeypatch):
         for e in events
     ]
     path = tmp_path / "slow.jsonl"
-    write_record(path, settings, slow)
+    slow = write_record(path, settings, slow)
     yielded: list = []
     waits: list[tuple[float, int]] = []
     monkeypatch.setattr(replay.time, "sleep", lambda s: waits.append((s, len(yielded))))
@@ -306,7 +326,7 @@ def test_engine_process_imports_nothing_from_the_users_directory(tmp_path, monke
     # A relative replay path still names the file in the directory the app was started from.
     events = list(run_events(open_engine(replace(SIM, tokens=3)), replace(SIM, tokens=3)))
     record = tmp_path / "run.jsonl"
-    write_record(record, replace(SIM, tokens=3), events)
+    events = write_record(record, replace(SIM, tokens=3), events)
     monkeypatch.chdir(tmp_path)
     proc = EngineProcess(RunSettings(engine="replay:run.jsonl", replay_speed=0))
     proc.start()
@@ -381,7 +401,7 @@ def test_sim_split_over_4_gpus_runs_each_gpus_share():
             "sim:llama-3.1-70b@h100",
             "do not fit in NVIDIA H100 (SXM, 80GB) (80 GiB); it needs at least 2",
         ),
-        ("sim:deepseek-v3@4xh200", "it needs at least 16: sim:deepseek-v3@16xh200"),
+        ("sim:deepseek-v3@4xh200", "it needs at least 8: sim:deepseek-v3@8xh200"),  # fp8
         ("sim:llama-3.1-70b@3xh100", "64 attention heads do not split evenly over 3 GPUs"),
     ],
 )

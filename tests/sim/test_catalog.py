@@ -12,6 +12,7 @@ from kvtui.sim.catalog import (
     GPUSpec,
     ModelSpec,
     UnknownNameError,
+    compute_dtype,
     dtype_bytes,
     get_gpu,
     get_model,
@@ -19,6 +20,7 @@ from kvtui.sim.catalog import (
     match_gpu,
     model_names,
     normalize_dtype,
+    serving_dtypes,
 )
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
@@ -480,3 +482,29 @@ def test_binary_config_file(tmp_path):
     path.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError):
         model_from_hf_config(path)
+
+
+@pytest.mark.parametrize(
+    ("stored", "gpu", "bf16", "runs"),
+    [
+        ("fp16", False, True, ("fp32", "fp16 weights; a CPU computes fp32")),  # the shipped model
+        ("fp32", False, True, ("fp32", "the weights' own")),
+        ("fp16", True, True, ("fp16", "the weights' own")),  # the shipped model on CUDA
+        ("bf16", True, True, ("bf16", "the weights' own")),
+        ("bf16", True, False, ("fp16", "bf16 weights; this GPU has no bf16")),
+        ("fp32", True, True, ("fp32", "the weights' own")),
+        ("fp8", True, True, ("bf16", "fp8 weights; no fp8 kernels here")),
+        ("int8", True, True, ("bf16", "int8 weights; no int8 kernels here")),
+    ],
+)
+def test_a_model_computes_in_its_own_dtype_where_the_device_can(stored, gpu, bf16, runs):
+    assert compute_dtype(stored, gpu=gpu, gpu_has_bf16=bf16) == runs
+
+
+def test_sim_and_the_what_if_price_a_model_as_vllm_serves_it():
+    """vLLM's dtype "auto": fp32 weights in bf16, others as published; the KV cache in the
+    activations' dtype (bf16 beside 8-bit and 4-bit weights)."""
+    assert serving_dtypes("fp32") == ("bf16", "bf16")  # gemma-2-9b's config says float32
+    assert serving_dtypes("fp16") == ("fp16", "fp16")
+    assert serving_dtypes("fp8") == ("fp8", "bf16")  # deepseek-v3
+    assert serving_dtypes("int4") == ("int4", "bf16")
