@@ -168,6 +168,8 @@ class CacheScreen(WorkScreen):
             )
         if self.run.how == "modelled":
             return self._why_modelled()
+        if not self.run.how:  # nothing has run yet: nothing to explain
+            return ""
         cached = self.run.loop("cached").step_seconds
         lines = [
             "Measured is below the count: recomputing many positions in one pass costs less "

@@ -38,7 +38,8 @@ CAPTION = (
     "{time} measured time per step, smoothed (right axis: one position = its median time)"
 )
 CAPTION_NARROW = (
-    "{uncached} positions per step, measured  {formula} formula, to come\n"
+    "{uncached} positions per step, measured\n"
+    "{formula} the formula, steps to come\n"
     "{time} measured time per step (right axis)"
 )
 
