@@ -334,7 +334,8 @@ class LiveRun:
         when = started.recorded_at[:10]
         date = when if len(when) == 10 and when[4] == when[7] == "-" else "date unknown"
         where, _, name = started.device.partition(" (")  # "cuda:0 (NVIDIA H100 80GB HBM3)"
-        return f"recorded on {name.rstrip(')') or where}, {date}"
+        device = name.removesuffix(")") if where.startswith("cuda") and name else started.device
+        return f"recorded on {device}, {date}"
 
     @property
     def prompt_text(self) -> str:

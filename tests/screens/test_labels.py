@@ -162,3 +162,21 @@ async def test_a_gpu_nvml_cannot_read_is_said_in_plain_words():
     async with headless("tiny", 3, engine=[], probe=summary, size=(160, 48)) as run:
         await run.settle()
         assert "(an example: NVML cannot read this GPU)" in " ".join(run.text().split())
+
+
+def test_a_replay_names_the_device_it_was_recorded_on():
+    """A GPU by its name (not "cuda:0"), a CPU or a modelled GPU as the record says."""
+    from kvtui.screens.live import LiveRun
+
+    _, events = read_record(RECORD)
+    for device, words in (
+        ("cuda:0 (NVIDIA H100 80GB HBM3)", "recorded on NVIDIA H100 80GB HBM3, 2026-12-02"),
+        ("cpu", "recorded on cpu, 2026-12-02"),
+        ("sim: NVIDIA H100 (SXM, 80GB)", "recorded on sim: NVIDIA H100 (SXM, 80GB), 2026-12-02"),
+    ):
+        run = LiveRun(RunSettings(f"replay:{RECORD}"))
+        run.apply(replace(events[0], device=device))
+        assert run.replayed and run.recorded == words
+    undated = LiveRun(RunSettings(f"replay:{RECORD}"))
+    undated.apply(replace(events[0], recorded_at="unknown"))  # an old record, no date anywhere
+    assert undated.recorded == "recorded on cpu, date unknown"
