@@ -38,28 +38,36 @@ async def screens(run: HeadlessRun) -> dict[int, str]:
     return shown
 
 
-async def test_a_live_tiny_run_says_measured_everywhere():
+async def test_a_live_tiny_run_says_measured_everywhere_and_nothing_cached_with_the_cache_off():
     _, events = read_record(RECORD)
     async with headless(RunSettings("tiny", tokens=64), engine=as_live(events), size=SIZE) as run:
         shown = await screens(run)
+        await run.press("2", "c")
+        await run.settle()
+        cache_off = " ".join(run.text().split())
     header = shown[1][: shown[1].index("1 ·")]
     assert "tiny (tiny-austen, cpu, fp32, 1 thread)" in header
-    assert "positions recomputed per step, measured" in shown[1]
+    assert "positions per step, measured" in shown[1]
     assert "measured time per step" in shown[1]
-    assert "MEASURED" in shown[2] and "wall time" in shown[2]
+    assert "MEASURED" in shown[2] and "wall time" in shown[2] and "A cached step:" in shown[2]
     assert "LIVE (measured): tiny-austen on cpu" in shown[3]
     assert "fp32: fp16 weights; a CPU computes fp32" in shown[3]  # which dtype ran, and why
     assert "Formula bytes, FLOPs / measured time:" in shown[3]
     for text in shown.values():
         assert "placeholder" not in text and "replayed" not in text.lower()
         assert "MODELLED" not in text and "modelled time" not in text
+    # The cache off: nothing of the cached loop, its times or its legend, is left on screen 2.
+    assert "A cached step" not in cache_off and "with a cache" not in cache_off
+    assert "without a cache x: tokens" in cache_off
+    assert "c puts the cached loop beside it" in cache_off
 
 
 async def test_a_shape_and_an_hf_run_say_measured_and_the_what_if_follows_the_shape():
     shape = RunSettings("shape:gpt2", tokens=16)
     events = as_live(measured_events(shape), model="shape:gpt2", dtype_source="the weights' own")
     async with headless(shape, 3, engine=events, size=SIZE) as run:
-        text = (await screens(run))[3]
+        await run.until_done()
+        text = " ".join(run.text().split())
         assert "LIVE (measured): shape:gpt2 on cpu" in text
         assert "WHAT-IF (modelled): GPT-2" in text and run.app.screen.model == "gpt2"
     hf = RunSettings("hf:/models/Qwen2.5-0.5B", tokens=16)
@@ -80,7 +88,7 @@ async def test_a_shape_and_an_hf_run_say_measured_and_the_what_if_follows_the_sh
 async def test_a_sim_run_says_modelled_everywhere_and_its_text_is_a_placeholder():
     async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=24), size=SIZE) as run:
         shown = await screens(run)
-    assert "positions recomputed per step, modelled" in shown[1]
+    assert "positions per step, modelled" in shown[1]
     assert "modelled time per step" in shown[1] and "measured time" not in shown[1]
     for screen in (1, 2):
         assert "placeholder text" in shown[screen]  # Austen's opening, not the 8B model's
@@ -98,7 +106,7 @@ async def test_a_replay_says_where_and_when_it_was_recorded_and_plays_only_that(
         shown = await screens(run)
         recorded = "recorded on cpu, 2026-12-02"
         assert f"replayed: {recorded}" in shown[1][: shown[1].index("1 ·")]  # the header
-        assert "positions recomputed per step, replayed" in shown[1]
+        assert "positions per step, replayed" in shown[1]
         assert "REPLAYED" in shown[2] and "wall time" in shown[2]
         assert f"REPLAY ({recorded}): tiny-austen" in shown[3]
         assert "Replayed (measured then, 1 thread):" in shown[3]
@@ -112,33 +120,22 @@ async def test_a_replay_says_where_and_when_it_was_recorded_and_plays_only_that(
         assert len(run.engines) == 1  # l restarted nothing
 
 
-async def test_with_the_cache_off_screen_2_shows_nothing_of_the_cached_loop():
-    settings = RunSettings("tiny", tokens=24)
-    async with headless(settings, 2, engine=measured_events(settings), size=SIZE) as run:
-        await run.until_done()
-        assert "A cached step:" in " ".join(run.text().split())
-        await run.press("c")
-        await run.settle()
-        text = " ".join(run.text().split())
-    assert "A cached step" not in text and "with a cache" not in text
-    assert "without a cache (counted by the engine) x: tokens" in text
-    assert "c puts the cached loop beside it" in text
-
-
 async def test_the_what_if_follows_a_tensor_parallel_run_and_its_dtype():
     """sim:llama-3.1-70b@4xh100 holds half a million tokens per GPU: the what-if below it is
     the same split (one H100's share), not the whole 70B on one H100 (239%, OVERFLOW); and
     sim:deepseek-v3 runs and is priced in its published fp8 in both places."""
-    async with headless("sim:llama-3.1-70b@4xh100", 3, size=SIZE) as run:
-        text = (await screens(run))[3]
+    async with headless(RunSettings("sim:llama-3.1-70b@4xh100", tokens=8), 3, size=SIZE) as run:
+        await run.until_done()
+        text = " ".join(run.text().split())
         budget = run.app.screen.budget()
         assert budget.tp == 4 and budget.fits and budget.max_context_tokens
         assert run.card("status").value == "FITS" and run.card("max-context").value != "0"
         assert "Llama 3.1 70B (bf16) on 4x" in text and "per GPU" in text
         await run.press("m")  # another model: the run's split was the run's model's
         assert run.app.screen.budget().tp == 1
-    async with headless("sim:deepseek-v3@8xh200", 3, size=SIZE) as run:
-        text = (await screens(run))[3]
+    async with headless(RunSettings("sim:deepseek-v3@8xh200", tokens=8), 3, size=SIZE) as run:
+        await run.until_done()
+        text = " ".join(run.text().split())
         assert run.app.live.started.dtype == "fp8" == run.app.screen.budget().weights_dtype
         assert "DeepSeek-V3 (671B MoE) (fp8)" in text and "fp8: as vLLM serves fp8 weights" in text
         assert run.app.screen.budget().kv_dtype == "bf16"  # the activations' dtype, as served
@@ -150,18 +147,14 @@ async def test_a_gpu_nvml_cannot_read_is_said_in_plain_words():
     what-if says why its GPU is an example."""
     probe = NullProbe("nvidia-ml-py is not installed (no pynvml module)", gpu_seen=True)
     summary = {"probe": "null", "label": probe.label(), "description": probe.describe()}
-    async with headless("sim:llama-3.1-8b@h100", 3, probe=summary, size=(160, 48)) as run:
-        await run.until_done()
-        await run.press("g")  # a GPU chosen by hand: no reason given
-        await run.press("3")
+    async with headless("tiny", 3, engine=[], probe=summary, size=(160, 48)) as run:
+        await run.settle()
         text = run.text()
         assert text.splitlines()[0].rstrip().endswith("GPU, NVML unavailable")
         assert "pynvml" not in text.splitlines()[0] and "CPU, no GPU" not in text
+        assert "(an example: NVML cannot read this GPU)" in " ".join(text.split())
         await run.press("question_mark")
         assert "GPU, NVML unavailable: nvidia-ml-py is not installed" in run.text()
-    async with headless("tiny", 3, engine=[], probe=summary, size=(160, 48)) as run:
-        await run.settle()
-        assert "(an example: NVML cannot read this GPU)" in " ".join(run.text().split())
 
 
 def test_a_replay_names_the_device_it_was_recorded_on():
