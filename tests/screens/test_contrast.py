@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 from textual.color import Color
 from textual.geometry import Region
+from textual.widgets import OptionList
 
 from kvtui.screens.quiz import QuizScreen
 from kvtui.testing import Cells, HeadlessRun, RunSettings, headless, screen_cells
@@ -44,37 +45,47 @@ SETTINGS = RunSettings("sim:llama-3.1-8b@h100", tokens=24, kv_budget_bytes=2 << 
 """A run whose pool fills (16 tokens of 128 KiB): screen 3 shows the red, stopped pool."""
 
 
-@pytest.mark.parametrize("theme", ["textual-dark", "textual-light"])
-async def test_every_screen_reads_on_the_theme(theme):
+async def test_every_screen_reads_on_both_themes():
+    """One run, each screen in each state drawn under textual-dark, then textual-light."""
     faint: list[str] = []
     async with headless(SETTINGS, 1, size=(100, 30)) as run:
-        run.app.theme = theme
         await run.until_done()
         await run.press("right")  # the run note turns to what r would run
-        await run.settle()
-        faint += too_faint(run, "screen 1")
-        await run.press("2")
-        await run.settle()
-        faint += too_faint(run, "screen 2")
-        await run.press("c")
-        await run.settle()
-        faint += too_faint(run, "screen 2, cache off")
-        await run.press("3", *["plus"] * 3)  # the what-if past capacity: red
-        await run.settle()
-        assert run.card("status").value == "OVERFLOW"
-        faint += too_faint(run, "screen 3")
-        await run.press("question_mark")
-        await run.settle()
-        help_box = run.app.screen.query_one("#help").region  # the rest is a dimmed backdrop
-        faint += too_faint(run, "help", help_box)
-        await run.press("escape", "t", "down", "enter")  # a wrong answer, then a right one
-        await run.settle()
-        assert isinstance(run.app.screen, QuizScreen)
-        faint += too_faint(run, "quiz, wrong")
-        await run.press("up", "enter")
-        await run.settle()
-        faint += too_faint(run, "quiz, right")
+        for theme in ("textual-dark", "textual-light"):
+            run.app.theme = theme
+            for where, keys in (
+                ("screen 1", ()),
+                ("screen 2", ("2",)),
+                ("screen 2, cache off", ("c",)),
+                ("screen 3", ("3", *["plus"] * 3)),  # the what-if past capacity: red
+            ):
+                await run.press(*keys)
+                await run.settle()
+                faint += too_faint(run, f"{theme}, {where}")
+            assert run.card("status").value == "OVERFLOW"
+            await run.press("question_mark")
+            await run.settle()
+            help_box = run.app.screen.query_one("#help").region  # the rest: a dimmed backdrop
+            faint += too_faint(run, f"{theme}, help", help_box)
+            await run.press("escape", "t")
+            await run.press(*_answer(run, right=False), "enter")
+            await run.settle()
+            assert isinstance(run.app.screen, QuizScreen)
+            faint += too_faint(run, f"{theme}, quiz, a wrong answer")
+            await run.press(*_answer(run, right=True), "enter")
+            await run.settle()
+            faint += too_faint(run, f"{theme}, quiz, the right answer")
+            await run.press("escape", "1", "c", "minus", "minus", "minus")  # back as it was
     assert not faint, "\n".join(faint)
+
+
+def _answer(run: HeadlessRun, *, right: bool) -> list[str]:
+    """Keys from the highlighted answer to the first right (or wrong) one."""
+    quiz = run.app.screen
+    assert isinstance(quiz, QuizScreen)
+    target = [is_right for _, is_right, _ in quiz.answers()].index(right)
+    here = quiz.query_one(OptionList).highlighted or 0
+    return ["down"] * (target - here) if target >= here else ["up"] * (here - target)
 
 
 async def test_a_faint_colour_is_caught():
