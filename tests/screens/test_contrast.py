@@ -50,6 +50,8 @@ async def test_every_screen_reads_on_both_themes():
     faint: list[str] = []
     async with headless(SETTINGS, 1, size=(100, 30)) as run:
         await run.until_done()
+        # The pool filled, by design: the header says so, and no notification covers a panel.
+        assert "KV cache full" in run.text().splitlines()[0] and not run.notifications
         await run.press("right")  # the run note turns to what r would run
         for theme in ("textual-dark", "textual-light"):
             run.app.theme = theme
