@@ -174,7 +174,7 @@ class QuizScreen(Screen[int]):
             yield Static("", classes="quiz-question")
             yield OptionList()
             yield Static("", id="feedback")
-        yield KeysFooter()
+        yield KeysFooter(show_command_palette=False, compact=True)  # whole at 80 columns
 
     def on_mount(self) -> None:
         self.show_question()
