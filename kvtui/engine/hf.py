@@ -34,7 +34,8 @@ from torch import Tensor
 
 from kvtui.engine.model_files import check_model_files, check_positions, read_model_config
 from kvtui.engine.protocol import EngineError, RunSettings
-from kvtui.engine.torch_engine import TorchEngine
+from kvtui.engine.spec import Progress, quiet
+from kvtui.engine.torch_engine import FLOP_COUNTER_PHRASE, TorchEngine
 from kvtui.format import format_bytes
 from kvtui.gpu.counting import PositionCounter, count_flops
 from kvtui.gpu.device import available_bytes, dtype_name, pick_device, run_dtype
@@ -344,6 +345,11 @@ class TextStream:
 # --- the engine ----------------------------------------------------------------------------------
 
 
+MAX_PROMPT_PIECES = 2048
+"""Prompts up to this many tokens get each token's text for the cache picture (decoding the
+prompt token by token costs time that grows with its square)."""
+
+
 class HFEngine(TorchEngine):
     """A local transformers model: the same loops, through transformers' forward and its
     `StaticCache`."""
@@ -363,6 +369,9 @@ class HFEngine(TorchEngine):
         self.tokenizer, self.spec, self.device, self.label = tokenizer, spec, device, label
         self.prompt = prompt[:1] if settings.lesson else prompt
         self.prompt_text = tokenizer.decode(self.prompt, skip_special_tokens=True)
+        if len(self.prompt) <= MAX_PROMPT_PIECES:  # each piece decodes the prompt so far again
+            pieces = TextStream(tokenizer, [])
+            self.prompt_pieces = tuple(pieces.push(token) for token in self.prompt)
         self.max_positions = spec.max_context
         self.trained_positions = spec.max_context
         self.fwd = ForwardArgs.of(model)
@@ -390,9 +399,9 @@ class HFEngine(TorchEngine):
         _free(self.device)
 
 
-def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
+def open_hf_engine(settings: RunSettings, directory: Path, progress: Progress = quiet) -> HFEngine:
     """The model in `directory`, loaded offline; `EngineError` for a directory kvtui cannot run,
-    before anything is allocated when that can be known."""
+    before anything is allocated when that can be known. `progress` hears each slow part."""
     config = _read_config(directory)
     transformers = _import_transformers()
     check_architecture(transformers, directory, config)
@@ -406,6 +415,7 @@ def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
     dtype, dtype_source = run_dtype(device, spec.default_dtype)  # torch_dtype, where it can
     label = model_label(directory, config)
     with _quiet(transformers):
+        progress("loading the tokenizer")
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(
                 str(directory), local_files_only=True, trust_remote_code=False
@@ -418,10 +428,12 @@ def open_hf_engine(settings: RunSettings, directory: Path) -> HFEngine:
         prompt = 1 if settings.lesson else len(ids)
         check_positions(label, prompt, settings.tokens, spec.max_context)
         check_fits(spec, directory, device, dtype, len(ids) + settings.tokens)
+        progress(f"loading {label}'s weights")
         model = load_model(transformers, directory, device, dtype)
     if spec.active_params is None:  # the measured count, for the bytes each step reads
         spec = replace(spec, params=sum(p.numel() for p in model.parameters()))
     spec = replace(spec, name=label, display_name=label)
+    progress(FLOP_COUNTER_PHRASE)
     engine = HFEngine(settings, transformers, model, tokenizer, spec, device, label, ids)
     engine.dtype_source = dtype_source
     return engine

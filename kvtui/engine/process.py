@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import IO
 
 from kvtui.engine.protocol import (
+    MAX_PROGRESS_CHARS,
     EngineError,
     Event,
     RunControl,
     RunFailed,
+    RunProgress,
     RunSettings,
     event_from_json,
     to_json,
@@ -252,8 +254,12 @@ def child_main() -> int:
     control = RunControl()
     threading.Thread(target=_read_commands, args=(control,), daemon=True).start()
     engine = None
+
+    def progress(phrase: str) -> None:
+        emit(RunProgress(safe_text(phrase, one_line=True)[:MAX_PROGRESS_CHARS]))
+
     try:
-        engine = open_engine(settings)
+        engine = open_engine(settings, progress)
         for event in run_events(engine, settings, control, watch=True):
             emit(event)
     except EngineError as exc:

@@ -34,6 +34,8 @@ from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
+from kvtui.engine.attention import check_attention
+
 Loop = Literal["cached", "uncached"]
 LOOPS: tuple[Loop, ...] = ("uncached", "cached")
 
@@ -183,7 +185,23 @@ class RunStarted:
     """When the run was recorded (ISO 8601, local time with its offset), set in a record by
     `kvtui bench --record` (and by a replay of an older record, from its header): a replay says
     "recorded on DEVICE, DATE", never "live". Empty for a run happening now."""
+    prompt_pieces: tuple[str, ...] = ()
+    """The text of each prompt token, one per position (empty where the engine does not say):
+    the rows of the cache picture. A piece may be empty (a byte in the middle of a character)."""
+    attention_layer: int | None = None
+    """The layer (0-based) whose newest query's attention the steps carry
+    (kvtui.engine.attention); None where the engine does not observe attention."""
+    attention_heads: int | None = None
+    """The query heads of that layer the attention is the mean of."""
     kind: str = field(default="started", init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_pieces", tuple(self.prompt_pieces))
+        if self.prompt_pieces and len(self.prompt_pieces) != self.prompt_tokens:
+            raise ValueError(
+                f"started event: {len(self.prompt_pieces)} prompt pieces for "
+                f"{self.prompt_tokens} prompt tokens"
+            )
 
 
 @dataclass(frozen=True)
@@ -228,7 +246,22 @@ class StepSample:
     the steps the torch engines sample (kvtui.engine.loops.counts_flops); None elsewhere and for
     `sim:`. Beside `flops`, the formula's, it is the check that the model computed what the
     lesson says."""
+    attention_spans: tuple[int, ...] | None = None
+    """Where the engine sent the step's attention (kvtui.engine.attention: at most
+    ATTENTION_PER_SECOND steps a second, the first and the last always): the first position of
+    each span of keys its newest query (at `position - 1`) read; None on other steps."""
+    attention: tuple[int, ...] | None = None
+    """The share of that query's attention each span got, in millionths (row 0; the layer and
+    heads `RunStarted` names), read outside the timed step."""
     kind: str = field(default="step", init=False)
+
+    def __post_init__(self) -> None:
+        if (self.attention is None) != (self.attention_spans is None):
+            raise ValueError("step event: attention and attention_spans go together")
+        if self.attention is not None and self.attention_spans is not None:
+            object.__setattr__(self, "attention", tuple(self.attention))
+            object.__setattr__(self, "attention_spans", tuple(self.attention_spans))
+            check_attention(self.attention_spans, self.attention, self.position)
 
 
 @dataclass(frozen=True)
@@ -304,7 +337,26 @@ class ServerMetrics:
     kind: str = field(default="server", init=False)
 
 
-Event = RunStarted | StepSample | RunFinished | RunFailed | ServerMetrics
+MAX_PROGRESS_CHARS = 120
+"""The longest phrase a progress event carries."""
+
+
+@dataclass(frozen=True)
+class RunProgress:
+    """Sent by the engine's process before `RunStarted` while it gets ready (importing torch,
+    loading the weights, ...): a phrase for the waiting line."""
+
+    phrase: str
+    kind: str = field(default="progress", init=False)
+
+    def __post_init__(self) -> None:
+        if len(self.phrase) > MAX_PROGRESS_CHARS:
+            raise ValueError(
+                f"progress event: a phrase of more than {MAX_PROGRESS_CHARS} characters"
+            )
+
+
+Event = RunStarted | StepSample | RunFinished | RunFailed | ServerMetrics | RunProgress
 
 _KINDS: dict[str, type[Event]] = {
     "started": RunStarted,
@@ -312,6 +364,7 @@ _KINDS: dict[str, type[Event]] = {
     "finished": RunFinished,
     "failed": RunFailed,
     "server": ServerMetrics,
+    "progress": RunProgress,
 }
 
 

@@ -13,6 +13,7 @@ HTTP to the URL given and nowhere else).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,6 +32,10 @@ from kvtui.paths import TINY_NAME
 from kvtui.sim.catalog import ModelSpec
 
 EngineKind = Literal["tiny", "shape", "sim", "replay", "hf", "vllm"]
+
+Progress = Callable[[str], None]
+"""Hears, a phrase at a time, what an engine is doing while it gets ready (kvtui.engine.protocol's
+`RunProgress`)."""
 
 ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR, vllm:URL"
 
@@ -104,14 +109,18 @@ def _gpu_count(text: str) -> tuple[int, str]:
     return count, gpu
 
 
-def open_engine(settings: RunSettings) -> StepSource:
+def open_engine(settings: RunSettings, progress: Progress | None = None) -> StepSource:
     """The engine `settings.engine` names; `EngineError` for a bad name or a run that can't fit
-    (`check_run` first, so before anything is loaded when that can be known)."""
+    (`check_run` first, so before anything is loaded when that can be known). `progress` hears
+    what a slow engine is doing while it gets ready, in a phrase at a time."""
     spec = check_run(settings)
+    say = progress or quiet
+    if spec.kind in ("tiny", "shape", "hf"):
+        say("importing torch")
     if spec.kind in ("tiny", "shape"):
         from kvtui.engine.torch_engine import open_torch_engine
 
-        return open_torch_engine(settings, spec.model)
+        return open_torch_engine(settings, spec.model, say)
     if spec.kind == "sim":
         from kvtui.engine.roofline import SimEngine
 
@@ -130,7 +139,11 @@ def open_engine(settings: RunSettings) -> StepSource:
     from kvtui.engine.hf import open_hf_engine
 
     assert spec.path is not None  # parse_engine sets it for hf:
-    return open_hf_engine(settings, spec.path)
+    return open_hf_engine(settings, spec.path, say)
+
+
+def quiet(phrase: str) -> None:
+    """A `Progress` that tells no one."""
 
 
 def check_engine(settings: RunSettings) -> None:

@@ -13,6 +13,7 @@ loop with "out of memory at N tokens", frees the cache, and the process goes on.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from dataclasses import replace
@@ -21,6 +22,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from kvtui.engine.attention import ATTENTION_PER_SECOND, ATTENTION_SCALE, spans_for
 from kvtui.engine.loops import (
     TRIM_EVERY_STEPS,
     CachedModel,
@@ -40,10 +42,12 @@ from kvtui.engine.protocol import (
     RunStarted,
     StepSample,
 )
+from kvtui.engine.spec import Progress, quiet
 from kvtui.format import format_bytes
 from kvtui.gpu.cache import KVCacheFull
 from kvtui.gpu.counting import PositionCounter
 from kvtui.gpu.device import describe_device, device_ridge, dtype_name, pick_device, run_dtype
+from kvtui.gpu.kernels import newest_attention
 from kvtui.gpu.load import (
     build_shape,
     load_tiny,
@@ -81,6 +85,10 @@ def open_pool(
     return KVPool(capacity, settings.kv_block_tokens, kv_bytes_per_token), source
 
 
+FLOP_COUNTER_PHRASE = "setting up torch's FLOP counter"
+"""Said while kvtui.gpu.counting warms FlopCounterMode (it imports torch's compiler: seconds)."""
+
+
 # --- the engines ---------------------------------------------------------------------------------
 
 
@@ -109,6 +117,17 @@ class TorchEngine(ABC):
     """Why the model computes in its dtype, in words (kvtui.gpu.device.run_dtype)."""
     counter: PositionCounter
     """The positions the model has computed, observed as it runs."""
+    attention_layer: int | None = None
+    """The layer whose newest query's attention some steps carry (`newest_attention`), or None."""
+    attention_heads: int | None = None
+    """The query heads that attention is the mean of."""
+    attention_per_second: float = ATTENTION_PER_SECOND
+    """The most steps of a loop a second that carry it (0: none; `benchmarks/attention_cost.py`
+    compares the two)."""
+    _attention_sent: dict[str, float]
+    """When each loop last sent its attention (time.monotonic)."""
+    prompt_pieces: tuple[str, ...] = ()
+    """The text of each prompt token, for the cache picture's rows."""
 
     @abstractmethod
     def prompt_ids(self) -> Tensor:
@@ -165,6 +184,9 @@ class TorchEngine(ABC):
             ridge_flops_per_byte=ridge,
             ridge_source=ridge_source,
             dtype_source=self.dtype_source,
+            prompt_pieces=self.prompt_pieces,
+            attention_layer=self.attention_layer,
+            attention_heads=self.attention_heads,
         )
 
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
@@ -191,7 +213,15 @@ class TorchEngine(ABC):
                 if loop == "cached":
                     allocated, filled = step.kv_bytes_allocated, step.kv_bytes
                 done += 1
-                yield self._sample(loop, step, P, text(step.token_id))
+                sample = self._sample(loop, step, P, text(step.token_id))
+                read = (
+                    self._attention(step.position)
+                    if self._attention_due(loop, step.index)
+                    else None
+                )
+                if read is not None:  # read outside the step's timing
+                    sample = replace(sample, attention_spans=read[0], attention=read[1])
+                yield sample
                 if loop == "uncached" and done % TRIM_EVERY_STEPS == 0:
                     trim_host_memory()  # between steps: never inside a timed one
         except KVCacheFull:
@@ -209,6 +239,43 @@ class TorchEngine(ABC):
         yield RunFinished(
             loop, reason, done, stopped, kv_bytes_allocated=allocated, kv_bytes_filled=filled
         )
+
+    def newest_attention(self) -> Tensor | None:
+        """The latest step's newest query's attention over the keys it read, `(S,)` (its own
+        key last), as `attention_layer` and `attention_heads` say; None where the engine does not
+        observe it. A hook: kvtui's own decoder does."""
+        return None
+
+    def _attention_due(self, loop: Loop, index: int) -> bool:
+        """Whether step `index` of `loop` carries its attention: its first and last steps, and
+        others at most `attention_per_second` a second (time kept per loop)."""
+        if self.attention_layer is None or self.attention_per_second <= 0:
+            return False
+        now = time.monotonic()
+        last = self._attention_sent.get(loop)
+        if index in (0, self.settings.tokens - 1) or last is None:
+            due = True
+        else:
+            due = now - last >= 1 / self.attention_per_second
+        if due:
+            self._attention_sent[loop] = now
+        return due
+
+    def _attention(self, position: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The latest step's attention as a sample carries it (kvtui.engine.attention): its
+        spans' first positions and their shares in millionths; None where there is nothing to
+        read."""
+        weights = self.newest_attention()
+        if weights is None or not 0 < weights.shape[0] <= position:
+            return None
+        first = position - weights.shape[0]  # a window's keys begin after position 0
+        block = self.pool.block_tokens if self.pool else 1
+        spans = spans_for(first, position, block)
+        bounds = torch.tensor([*spans, position], device=weights.device) - first
+        totals = torch.cat([weights.new_zeros(1), weights.double().cumsum(0)])
+        shares = (totals[bounds[1:]] - totals[bounds[:-1]]) * ATTENTION_SCALE
+        values = shares.round().clamp(0, ATTENTION_SCALE).long().tolist()
+        return tuple(spans), tuple(values)
 
     def _sample(self, loop: Loop, step: Step, prompt_tokens: int, text: str) -> StepSample:
         """A measured step as the protocol's sample, beside the formula's FLOPs and bytes for the
@@ -278,9 +345,27 @@ class DecoderEngine(TorchEngine):
             if byte_level
             else "".join(f" {i}" for i in ids)
         )
+        stream = self.text_stream()
+        self.prompt_pieces = tuple(stream(i) for i in ids)
+        self.attention_layer = model.args.n_layer // 2
+        self.attention_heads = model.args.n_head
+        self._attention_sent = {}
+
+    def newest_attention(self) -> Tensor | None:
+        """The watched layer's newest query over its keys (kvtui.gpu.kernels.newest_attention)."""
+        watched, self.model.watched = self.model.watched, None
+        if watched is None:
+            return None
+        with torch.inference_mode():
+            return newest_attention(*watched)
 
     def prompt_ids(self) -> Tensor:
         return self._prompt
+
+    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
+        watching = self.attention_per_second > 0
+        self.model.watch_layer = self.attention_layer if watching else None
+        return super().steps(loop)
 
     def cached(self, max_len: int, batch: int) -> CachedModel:
         pool = self.pool
@@ -301,16 +386,21 @@ class DecoderEngine(TorchEngine):
             torch.cuda.empty_cache()
 
 
-def open_torch_engine(settings: RunSettings, model_name: str | None) -> DecoderEngine:
-    """`tiny` (`model_name` None) or `shape:model_name`, on the device the settings ask for."""
+def open_torch_engine(
+    settings: RunSettings, model_name: str | None, progress: Progress = quiet
+) -> DecoderEngine:
+    """`tiny` (`model_name` None) or `shape:model_name`, on the device the settings ask for;
+    `progress` hears each slow part as it begins."""
     torch.set_num_threads(max(1, settings.threads))
     device = pick_device(settings.device)
     if model_name is None:
         dtype, why = run_dtype(device, tiny_stored_dtype())
+        progress(f"loading {TINY_NAME}'s weights, timing the kernels")
         model, meta = load_tiny(device, dtype, settings.seed)
         label = meta.get("name", TINY_NAME)
         spec = spec_from_args(label, model.args)
         trained = trained_context(meta)
+        progress(FLOP_COUNTER_PHRASE)
         tiny = DecoderEngine(
             settings, model, spec, device, label, byte_level=True, trained_positions=trained
         )
@@ -322,8 +412,10 @@ def open_torch_engine(settings: RunSettings, model_name: str | None) -> DecoderE
         raise EngineError(str(exc)) from exc
     dtype, why = run_dtype(device, spec.default_dtype)  # the catalog's published weights
     context = len(encode_bytes(settings.prompt)) + settings.tokens
+    progress(f"making {spec.name}'s random weights, timing the kernels")
     model = build_shape(spec, device, dtype, context, settings.seed, settings.batch)
     label = f"shape:{spec.name}"
+    progress(FLOP_COUNTER_PHRASE)
     # Priced as what runs: kvtui's decoder in that shape (its own parameters, every position
     # attended: no sliding window), not the catalog entry it was built from.
     ran = replace(spec_from_args(label, model.args), display_name=spec.label)

@@ -140,3 +140,16 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     B, H, hd = q.shape
     group = q.view(B, k.shape[1], -1, hd)  # (B, n_kv_head, n_head // n_kv_head, head_dim)
     return F.scaled_dot_product_attention(group, k, v).reshape(B, 1, H * hd)
+
+
+def newest_attention(q: Tensor, k: Tensor) -> Tensor:
+    """How the newest query of the first sequence weighs the keys it attends, as `attend_one`
+    and SDPA weigh them (softmax(q k^T / sqrt(head_dim))), averaged over the query heads: `q`
+    `(B, T, n_head, head_dim)` (the last of its T queries is the newest), `k`
+    `(B, n_kv_head, S, head_dim)` with the newest query's own key last; `(S,)` in float32,
+    summing to 1. For a look after a step, outside its timing: not a decode kernel."""
+    newest, keys = q[0, -1].float(), k[0].float()  # (n_head, head_dim), (n_kv_head, S, head_dim)
+    n_kv, _, head_dim = keys.shape
+    group = newest.view(n_kv, -1, head_dim)  # (n_kv_head, n_head // n_kv_head, head_dim)
+    scores = group @ keys.transpose(1, 2) / math.sqrt(head_dim)  # (n_kv_head, group, S)
+    return scores.softmax(dim=-1).mean(dim=(0, 1))

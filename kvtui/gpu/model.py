@@ -211,6 +211,13 @@ class Transformer(nn.Module):
         """Rows of keys the layers' projections have produced so far, summed over layers: B x T
         per layer per call. The loops read it before and after a step to count the positions it
         really computed."""
+        self.watch_layer: int | None = None
+        """A layer whose queries and keys `forward` keeps (`watched`) for a look after the call;
+        None (the default, and in training) keeps nothing."""
+        self.watched: tuple[Tensor, Tensor] | None = None
+        """The watched layer's queries `(B, T, n_head, head_dim)` and the keys they attended
+        `(B, n_kv_head, S, head_dim)` in the latest call: references, not copies (the engine
+        reads the newest query's attention from them outside the timed step)."""
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -280,6 +287,7 @@ class Transformer(nn.Module):
     def drop_caches(self) -> None:
         self.kv = None
         self._weights = None
+        self.watched = None  # it may hold a view of the cache's storage
 
     def _gather(self) -> Weights:
         layers = [cast(Block, layer).weights() for layer in self.layers]
@@ -315,9 +323,9 @@ class Transformer(nn.Module):
         a = self.args
         H, KV, hd, dim, eps = a.n_head, a.n_kv_head, a.head_dim, (a.dim,), a.norm_eps
         freqs = w.rotations.narrow(0, start, T)  # (T, 1, head_dim // 2)
-        rows = 0
+        rows, watch = 0, self.watch_layer
         x = F.embedding(idx, w.embedding)  # (B, T, dim)
-        for layer, cache in zip(w.layers, caches, strict=True):
+        for i, (layer, cache) in enumerate(zip(w.layers, caches, strict=True)):
             qkv = layer.wqkv(F.rms_norm(x, dim, layer.attention_norm, eps))
             qkv = qkv.view(B, T, H + 2 * KV, hd)
             rows += qkv.shape[0] * qkv.shape[1]  # the rows this layer's projection produced
@@ -327,6 +335,8 @@ class Transformer(nn.Module):
             v = qkv.narrow(2, H + KV, KV).transpose(1, 2)
             if cache is not None:
                 k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
+            if i == watch:
+                self.watched = (qk.narrow(2, 0, H), k)
             x = x + layer.wo(attend(qk.narrow(2, 0, H), k, v))
             gate, up = layer.w13(F.rms_norm(x, dim, layer.ffn_norm, eps)).chunk(2, dim=-1)
             x = x + layer.w2(F.silu(gate) * up)
