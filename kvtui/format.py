@@ -155,3 +155,15 @@ def parse_bytes(text: str) -> int:
     whole, _, fraction = number.partition(".")
     scale = _SIZE_UNITS[(unit or "b").lower()]
     return int(whole) * scale + (int(fraction) * scale // 10 ** len(fraction) if fraction else 0)
+
+
+def format_share(fraction: float) -> str:
+    """A share of a whole, as much as a glance needs: 0.4123 -> "41%", 0.0237 -> "2.4%",
+    0.0004 -> "<0.1%", 0 -> "0%"."""
+    if fraction <= 0:
+        return "0%"
+    if fraction < 0.0005:
+        return "<0.1%"
+    if fraction < 0.0995:
+        return f"{fraction * 100:.1f}%"
+    return f"{fraction * 100:.0f}%"

@@ -209,6 +209,14 @@ class SimEngine:
             prompt_text=bytes(encode_bytes(self.settings.prompt)[: self.prompt_tokens]).decode(
                 "utf-8", errors="replace"
             ),
+            prompt_pieces=self._prompt_pieces(),
+        )
+
+    def _prompt_pieces(self) -> tuple[str, ...]:
+        """The text of each prompt byte, the prompt's tokens here (empty inside a character)."""
+        stream = Utf8Stream()
+        return tuple(
+            stream.push(b) for b in encode_bytes(self.settings.prompt)[: self.prompt_tokens]
         )
 
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:

@@ -17,6 +17,7 @@ from kvtui.screens.base import WorkScreen
 from kvtui.screens.live import LoopTrace
 from kvtui.sim.catalog import UnknownNameError, get_gpu, get_model
 from kvtui.sim.work import compute_bound_positions
+from kvtui.widgets.cache_grid import CacheGrid, CachePicture
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, downsample, fitting_ticks, nice_ticks
 from kvtui.widgets.note import Note
@@ -69,6 +70,7 @@ class CacheScreen(WorkScreen):
                 yield Caption(CAPTION, classes="caption -wide-caption")
                 yield Caption(CAPTION_NARROW, classes="caption -narrow-caption")
                 yield Note(id="run-note", classes="run-note")
+            yield CacheGrid(CachePicture("cached"), id="grid")
         yield Note(classes="narrative", id="why")
 
     def on_mount(self) -> None:
@@ -141,6 +143,8 @@ class CacheScreen(WorkScreen):
         self.query_one("#why", Note).show(self._why())
         self.query_one("#per-step", Chart).draw(self._draw_per_step)
         self.query_one("#cumulative", Chart).draw(self._draw_cumulative)
+        loop = "cached" if self.cache_on else "uncached"
+        self.query_one(CacheGrid).show(self.run.picture(loop))
 
     def _show_mark(self) -> None:
         mark = self.query_one("#same-mark", Note)

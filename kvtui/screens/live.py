@@ -10,14 +10,17 @@ costs at most that rate in redraws.
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvtui.engine.attention import Attention
 from kvtui.engine.protocol import (
     Loop,
     RunFailed,
     RunFinished,
+    RunProgress,
     RunSettings,
     RunStarted,
     ServerMetrics,
@@ -26,6 +29,7 @@ from kvtui.engine.protocol import (
 from kvtui.engine.serving import ServerWatch
 from kvtui.engine.summary import LoopSummary, RunSummary
 from kvtui.sim.pool import KVPool
+from kvtui.widgets.cache_grid import CachePicture
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
 
@@ -38,6 +42,11 @@ screen (the app's reader posts at most this often; a burst coalesces into the la
 
 MAX_TEXT_CHARS = 6000
 """Characters of each token stream kept for display (the tail)."""
+
+FIRST_PIECES = 16
+"""Generated tokens kept one by one from the start of a loop, for the cache picture's rows."""
+LAST_PIECES = 128
+"""Generated tokens kept one by one at the end of a loop (the picture lists the newest)."""
 
 
 @dataclass
@@ -74,6 +83,13 @@ class LoopTrace:
     step_seconds: Series = field(default_factory=Series)
     positions: Series = field(default_factory=Series)
     """Positions each step computed, per sequence."""
+    first_pieces: list[str] = field(default_factory=list)
+    """The text of the first FIRST_PIECES tokens generated, one a step (the cache picture's
+    first rows after a short prompt)."""
+    last_pieces: deque[str] = field(default_factory=lambda: deque(maxlen=LAST_PIECES))
+    """The text of the newest LAST_PIECES tokens generated, one a step."""
+    attention: StepSample | None = None
+    """The newest step that carried its attention (kvtui.engine.attention)."""
 
     def add(self, sample: StepSample) -> None:
         """Draw a step the figures have just folded in."""
@@ -81,6 +97,18 @@ class LoopTrace:
         self.last_text = sample.text
         self.step_seconds.add(sample.step, sample.step_seconds)
         self.positions.add(sample.step, self.figures.last_positions)
+        if len(self.first_pieces) < FIRST_PIECES:
+            self.first_pieces.append(sample.text)
+        self.last_pieces.append(sample.text)
+        if sample.attention is not None:
+            self.attention = sample
+
+    def piece(self, step: int) -> str | None:
+        """The text of the token step `step` generated, where it is still kept."""
+        if step < len(self.first_pieces):
+            return self.first_pieces[step]
+        back = self.steps - step
+        return self.last_pieces[-back] if 0 < back <= len(self.last_pieces) else None
 
     @property
     def steps(self) -> int:
@@ -174,6 +202,8 @@ class LiveRun:
     probe: dict[str, Any] | None = None
     state: RunState = "starting"
     failure: str = ""
+    progress: str = ""
+    """What the engine said it is doing while it gets ready (its latest `RunProgress`)."""
     summary: RunSummary = field(default_factory=RunSummary)
     loops: dict[str, LoopTrace] = field(default_factory=dict)
     read_only: bool = field(default=False, compare=False)
@@ -201,6 +231,7 @@ class LiveRun:
         self.settings = settings
         self.state = "starting"
         self.failure = ""
+        self.progress = ""
         self.summary = RunSummary()
         self.loops = {name: LoopTrace(figures) for name, figures in self.summary.loops.items()}
 
@@ -215,10 +246,14 @@ class LiveRun:
         self.state = state
 
     def apply(
-        self, event: RunStarted | StepSample | RunFinished | RunFailed | ServerMetrics
+        self,
+        event: RunStarted | StepSample | RunFinished | RunFailed | ServerMetrics | RunProgress,
     ) -> None:
         """Fold one engine event in."""
         self._changing()
+        if isinstance(event, RunProgress):
+            self.progress = event.phrase
+            return
         self.summary.apply(event)
         if isinstance(event, StepSample):
             self.loops[event.loop].add(event)
@@ -377,13 +412,81 @@ class LiveRun:
             freed=finished is not None,
         )
 
+    def piece(self, loop: Loop, position: int) -> str | None:
+        """The text of the token at `position` of `loop`'s sequence, where it is known: the
+        prompt's (if the engine gave them), then the tokens the loop generated."""
+        P = self.prompt_tokens
+        if position < P:
+            pieces = self.started.prompt_pieces if self.started else ()
+            return pieces[position] if position < len(pieces) else None
+        return self.loops[loop].piece(position - P)
+
+    def picture(self, loop: Loop) -> CachePicture:
+        """`loop`'s KV cache as the picture draws it (kvtui.widgets.cache_grid), at the newest
+        step that carried its attention where the engine sends it (the rows, query and weights
+        are then all of one step), else at the newest step."""
+        started, trace = self.started, self.loops[loop]
+        if started is None or trace.last is None:
+            return CachePicture(loop, self.how)
+        sample = trace.attention if started.attention_layer is not None else None
+        sample = sample or trace.last
+        step, rows = sample.step, sample.position  # keys read: every position before the output
+        P = self.prompt_tokens
+        cached = loop == "cached"
+        listed = [*range(min(rows, FIRST_PIECES)), *range(max(0, rows - LAST_PIECES), rows)]
+        pieces = {i: piece for i in listed if (piece := self.piece(loop, i)) is not None}
+        attention = None
+        if sample.attention is not None and sample.attention_spans is not None:
+            attention = Attention(step, rows - 1, sample.attention_spans, sample.attention)
+        block = started.kv_block_tokens if cached else None
+        # measured: the bytes the cache's tensors hold over the rows they hold, per sequence
+        row_bytes = sample.kv_bytes // (rows * self.batch) if cached and rows else 0
+        return CachePicture(
+            loop=loop,
+            how=self.how,
+            step=step,
+            rows=rows,
+            new_rows=(P if step == 0 else 1) if cached else rows,
+            pieces=pieces,
+            next_piece=self.piece(loop, rows),
+            block_tokens=block,
+            blocks=sample.kv_bytes_allocated // (block * row_bytes * self.batch)
+            if block and row_bytes
+            else None,
+            row_bytes=row_bytes or None,
+            layers=started.layers,
+            attention=attention,
+            attention_layer=started.attention_layer,
+            attention_heads=started.attention_heads,
+            no_attention="" if attention else self._no_attention(),
+            behind=trace.steps - 1 - step,
+        )
+
+    def _no_attention(self) -> str:
+        """Why the picture has no weights, in a few words."""
+        started = self.started
+        if started is not None and started.attention_layer is not None:
+            return "weights: with the next sample"
+        if self.how == "modelled":
+            return "sim: no attention (modelled)"
+        kind = self.settings.engine.split(":", 1)[0]
+        if kind == "hf":
+            return "hf: attention not observed"
+        if kind == "replay":
+            return "no weights in this record"
+        return "no attention weights"
+
     def status_line(self) -> str:
         """The run state in a few words, for the header."""
         total = self.run_tokens
         if self.state == "failed":
             return f"failed: {self.failure}" if self.failure else "failed"
         if self.state == "starting":
-            return "starting the engine..."
+            return (
+                f"starting the engine: {self.progress}..."
+                if self.progress
+                else "starting the engine..."
+            )
         words = {
             "running": "running",
             "paused": "paused",

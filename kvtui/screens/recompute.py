@@ -13,6 +13,7 @@ from textual_plotext.plot import Plot
 from kvtui.format import format_int, format_percent, format_seconds, format_tick
 from kvtui.screens.base import WorkScreen
 from kvtui.sim.work import naive_step_positions
+from kvtui.widgets.cache_grid import CacheGrid, CachePicture
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import (
     Caption,
@@ -69,6 +70,7 @@ class RecomputeScreen(WorkScreen):
                 yield Caption(CAPTION, classes="caption -wide-caption")
                 yield Caption(CAPTION_NARROW, classes="caption -narrow-caption")
                 yield Note(id="run-note", classes="run-note")
+            yield CacheGrid(CachePicture("uncached"), id="grid")
         yield Static(NARRATIVE, classes="narrative")
 
     def show_cards(self) -> None:
@@ -111,6 +113,7 @@ class RecomputeScreen(WorkScreen):
         self.show_cards()
         self.show_run_note()
         self.query_one("#staircase", Chart).draw(self._draw_staircase)
+        self.query_one(CacheGrid).show(self.run.picture("uncached"))
 
     def _draw_staircase(self, plt: Plot, points: int) -> None:
         """Positions per step as the engine counted them (bright), the formula's steps still to
