@@ -124,6 +124,8 @@ class TorchEngine(ABC):
     attention_per_second: float = ATTENTION_PER_SECOND
     """The most steps of a loop a second that carry it (0: none; `benchmarks/attention_cost.py`
     compares the two)."""
+    clock: Callable[[], float] = time.monotonic
+    """What the attention's rate is kept by (a test gives its own)."""
     _attention_sent: dict[str, float]
     """When each loop last sent its attention (time.monotonic)."""
     prompt_pieces: tuple[str, ...] = ()
@@ -251,7 +253,7 @@ class TorchEngine(ABC):
         others at most `attention_per_second` a second (time kept per loop)."""
         if self.attention_layer is None or self.attention_per_second <= 0:
             return False
-        now = time.monotonic()
+        now = self.clock()
         last = self._attention_sent.get(loop)
         if index in (0, self.settings.tokens - 1) or last is None:
             due = True
