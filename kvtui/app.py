@@ -45,6 +45,7 @@ from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
 from kvtui.screens.memory import MemoryScreen
+from kvtui.screens.present import PresentScreen
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.sim.catalog import GPUSpec, gpu_from_probe, model_names
 from kvtui.sim.pool import step_budget
@@ -98,6 +99,8 @@ class AppConfig:
     """A device probe summary to show; None probes the device at startup, off the UI thread."""
     autostart: bool = True
     """Start the engine as soon as the app is up."""
+    present: bool = False
+    """Open in presenter mode (kvtui.screens.present; `p` toggles it)."""
 
 
 _END = object()
@@ -182,6 +185,7 @@ class KVApp(App[int]):
         Binding("r", "restart", "Run"),
         Binding("l", "lesson", "Lesson", show=False),
         Binding("t", "quiz", "Quiz"),
+        Binding("p", "present", "Present", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit", priority=True),
     ]
@@ -224,6 +228,8 @@ class KVApp(App[int]):
         self.set_reactive(KVApp.kv_budget, config.settings.kv_budget_bytes)
         self.set_reactive(KVApp.batch, config.settings.batch)
         self._default_pool: int | None = None
+        self._presented_from = MODES[0]
+        """The screen presenter mode was entered from, and leaves to."""
         """The pool an engine took without a budget, once one has run: the budget keys' top."""
         self._load: LoadProcess | None = None
         """The load `f` put on a vllm: run's server, while it runs (kvtui.engine.load)."""
@@ -245,6 +251,7 @@ class KVApp(App[int]):
                 run=KVApp.live_run,
             ),
         }
+        screens["present"] = PresentScreen(self.live_run).data_bind(run=KVApp.live_run)
         for mode, screen in screens.items():
             self.install_screen(screen, mode)
             self.add_mode(mode, mode)
@@ -253,11 +260,21 @@ class KVApp(App[int]):
         else:
             self._probe_device()
         self.switch_mode(MODES[max(1, min(3, self.config.screen)) - 1])
+        if self.config.present:
+            self.action_present()
         if self.config.autostart:
             self.start_run()
 
     def action_screen(self, number: int) -> None:
         self.switch_mode(MODES[number - 1])
+
+    def action_present(self) -> None:
+        """Presenter mode on (from the screen shown) or off (back to that screen)."""
+        if self.current_mode == "present":
+            self.switch_mode(self._presented_from)
+        else:
+            self._presented_from = self.current_mode if self.current_mode in MODES else MODES[0]
+            self.switch_mode("present")
 
     def action_quiz(self) -> None:
         from kvtui.screens.quiz import QuizScreen
@@ -622,6 +639,7 @@ def make_app(
     probe: dict[str, Any] | None = None,
     engine_factory: EngineFactory = engine_process,
     autostart: bool = True,
+    present: bool = False,
 ) -> KVApp:
     """The one factory that builds the app, for the CLI and for the tests."""
     config = AppConfig(
@@ -629,6 +647,7 @@ def make_app(
         screen=screen,
         probe=probe,
         autostart=autostart,
+        present=present,
     )
     return KVApp(config, engine_factory)
 
@@ -638,12 +657,12 @@ SIGNAL_GRACE_S = 2.0
 ended."""
 
 
-def run_app(settings: RunSettings, screen: int = 1) -> int:
+def run_app(settings: RunSettings, screen: int = 1, *, present: bool = False) -> int:
     """Open the app on a screen, run it, and return its exit code. SIGINT, SIGTERM and SIGHUP
     end it as `q` does (the terminal is restored and the engine's process closed), with the exit
     code a shell expects of that signal (130, 143, 129): left to asyncio, a SIGINT ended the
     app with 0, as if it had succeeded."""
-    app = make_app(settings, screen)
+    app = make_app(settings, screen, present=present)
 
     def leave(signum: int, frame: object) -> None:
         code = 128 + signum

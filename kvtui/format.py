@@ -167,3 +167,8 @@ def format_share(fraction: float) -> str:
     if fraction < 0.0995:
         return f"{fraction * 100:.1f}%"
     return f"{fraction * 100:.0f}%"
+
+
+def format_digits(n: int) -> str:
+    """A whole number for large digits (kvtui's Digits have no comma): 8390656 -> "8 390 656"."""
+    return f"{n:,}".replace(",", " ")

@@ -309,6 +309,11 @@ def add_run_options(group: Any, *, app: bool) -> None:
         group.add_argument(
             "--screen", type=int, choices=[1, 2, 3], default=1, help="the screen to open first"
         )
+        group.add_argument(
+            "--present",
+            action="store_true",
+            help="presenter mode: the lesson one idea at a time, large figures (p toggles it)",
+        )
     else:
         group.add_argument(
             "--batch",

@@ -10,6 +10,7 @@ costs at most that rate in redraws.
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -204,6 +205,8 @@ class LiveRun:
     failure: str = ""
     progress: str = ""
     """What the engine said it is doing while it gets ready (its latest `RunProgress`)."""
+    since: float = 0.0
+    """When the run was asked for (time.monotonic): how long the engine takes to start."""
     summary: RunSummary = field(default_factory=RunSummary)
     loops: dict[str, LoopTrace] = field(default_factory=dict)
     read_only: bool = field(default=False, compare=False)
@@ -230,6 +233,7 @@ class LiveRun:
         self._changing()
         self.settings = settings
         self.state = "starting"
+        self.since = time.monotonic()
         self.failure = ""
         self.progress = ""
         self.summary = RunSummary()
