@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from textual import work
 from textual.app import App
@@ -86,6 +86,15 @@ def engine_process(settings: RunSettings) -> EngineHandle:
     from kvtui.engine.process import EngineProcess
 
     return EngineProcess(settings)
+
+
+@runtime_checkable
+class Readies(Protocol):
+    """An engine factory that can get the next run's engine ready between runs, and must be
+    closed (`kvtui.engine.process.Engines`: a spare child with torch imported)."""
+
+    def prepare(self, settings: RunSettings) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -215,9 +224,15 @@ class KVApp(App[int]):
         def can_replace(self, message: Message) -> bool:
             return isinstance(message, KVApp.RunChanged)
 
-    def __init__(self, config: AppConfig, engine_factory: EngineFactory = engine_process) -> None:
+    def __init__(self, config: AppConfig, engine_factory: EngineFactory | None = None) -> None:
+        """`engine_factory` makes each run's engine (default: `kvtui.engine.process.Engines`, a
+        child process each, with a spare started between runs)."""
         super().__init__()
         self.config = config
+        if engine_factory is None:
+            from kvtui.engine.process import Engines  # subprocess and friends: not before now
+
+            engine_factory = Engines()
         self._engine_factory = engine_factory
         self.live = LiveRun(config.settings)
         """The run as it folds: only the App writes it, and the screens read `run`, its copy."""
@@ -230,6 +245,8 @@ class KVApp(App[int]):
         self._default_pool: int | None = None
         self._presented_from = MODES[0]
         """The screen presenter mode was entered from, and leaves to."""
+        if config.autostart:  # the engine gets ready while the app draws its first frame
+            self._ready_next()
         """The pool an engine took without a budget, once one has run: the budget keys' top."""
         self._load: LoadProcess | None = None
         """The load `f` put on a vllm: run's server, while it runs (kvtui.engine.load)."""
@@ -498,11 +515,19 @@ class KVApp(App[int]):
         if load is not None:
             load.close()
 
+    def _ready_next(self) -> None:
+        """Between runs (this one ended), let the factory get the next run's engine ready."""
+        if isinstance(self._engine_factory, Readies):
+            self._engine_factory.prepare(self.live.settings)
+
     def close_engine(self, timeout: float = 1.0) -> None:
-        """End the engine's process now (quitting): cancel the reader, then close the child."""
+        """End the engine's process now (quitting): cancel the reader, then close the child (and
+        a spare the factory holds)."""
         self.close_load()
         engine, self.engine = self.engine, None
         self.workers.cancel_group(self, "decode")
+        if isinstance(self._engine_factory, Readies):
+            self._engine_factory.close()
         if engine is not None:
             engine.close(timeout=timeout)
 
@@ -591,6 +616,8 @@ class KVApp(App[int]):
                     severity="error",
                     timeout=8,
                 )
+        if self.live.state in ("done", "failed"):
+            self._ready_next()
 
     def on_kvapp_engine_exited(self, message: EngineExited) -> None:
         if message.run_id != self._run_id:
@@ -637,7 +664,7 @@ def make_app(
     screen: int = 1,
     *,
     probe: dict[str, Any] | None = None,
-    engine_factory: EngineFactory = engine_process,
+    engine_factory: EngineFactory | None = None,
     autostart: bool = True,
     present: bool = False,
 ) -> KVApp:

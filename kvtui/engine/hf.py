@@ -34,10 +34,10 @@ from torch import Tensor
 
 from kvtui.engine.model_files import check_model_files, check_positions, read_model_config
 from kvtui.engine.protocol import EngineError, RunSettings
-from kvtui.engine.spec import Progress, quiet
-from kvtui.engine.torch_engine import FLOP_COUNTER_PHRASE, TorchEngine
+from kvtui.engine.spec import FLOP_COUNTER_PHRASE, Progress, quiet
+from kvtui.engine.torch_engine import TorchEngine
 from kvtui.format import format_bytes
-from kvtui.gpu.counting import PositionCounter, count_flops
+from kvtui.gpu.counting import PositionCounter, count_flops, flop_counter_warm
 from kvtui.gpu.device import available_bytes, dtype_name, pick_device, run_dtype
 from kvtui.sim.catalog import ConfigError, ModelSpec
 from kvtui.sim.hf_config import model_from_hf_config
@@ -433,7 +433,8 @@ def open_hf_engine(settings: RunSettings, directory: Path, progress: Progress = 
     if spec.active_params is None:  # the measured count, for the bytes each step reads
         spec = replace(spec, params=sum(p.numel() for p in model.parameters()))
     spec = replace(spec, name=label, display_name=label)
-    progress(FLOP_COUNTER_PHRASE)
+    if not flop_counter_warm():
+        progress(FLOP_COUNTER_PHRASE)
     engine = HFEngine(settings, transformers, model, tokenizer, spec, device, label, ids)
     engine.dtype_source = dtype_source
     return engine

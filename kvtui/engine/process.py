@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import IO
@@ -42,7 +42,7 @@ from kvtui.engine.protocol import (
     event_from_json,
     to_json,
 )
-from kvtui.engine.spec import parse_engine
+from kvtui.engine.spec import FLOP_COUNTER_PHRASE, parse_engine
 from kvtui.format import safe_text
 
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -63,6 +63,8 @@ spec.loader.exec_module(kvtui)
 
 ENGINE_MAIN = "from kvtui.engine.process import child_main\nraise SystemExit(child_main())"
 """What the engine's child runs, once kvtui is imported."""
+WARM_ENGINE_MAIN = ENGINE_MAIN.replace("child_main()", "child_main(warm=True)")
+"""What a spare engine child runs (`WarmChild`): a torch engine made ready before its settings."""
 
 
 def child_command(main: str = ENGINE_MAIN) -> list[str]:
@@ -105,11 +107,102 @@ def absolute_paths(settings: RunSettings) -> RunSettings:
     return replace(settings, engine=f"{spec.kind}:{spec.path.absolute()}")
 
 
+def _spawn(*, warm: bool) -> tuple[subprocess.Popen[str], IO[str]]:
+    """An engine's child process, and the file its stderr goes to."""
+    stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
+    proc = subprocess.Popen(
+        child_command(WARM_ENGINE_MAIN if warm else ENGINE_MAIN),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        encoding="utf-8",
+        bufsize=1,
+        cwd=CHILD_CWD,
+        start_new_session=True,  # the terminal's Ctrl-C goes to the UI, which stops us cleanly
+    )
+    return proc, stderr
+
+
+class WarmChild:
+    """An engine's child process started ahead of its run: it imports torch and readies the FLOP
+    counter (seconds of a torch engine's start) while nothing runs, then waits for settings on
+    its stdin. `EngineProcess` adopts it for the next run."""
+
+    def __init__(self) -> None:
+        self.proc, self.stderr = _spawn(warm=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        """End it unused: EOF on its stdin ends it; it is killed if it does not go at once."""
+        with contextlib.suppress(OSError, ValueError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(0.5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdout, self.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                if stream:
+                    stream.close()
+
+
+TORCH_KINDS = ("tiny", "shape", "hf")
+"""Engine kinds whose process imports torch: the ones a spare (`WarmChild`) speeds up."""
+
+
+def runs_torch(settings: RunSettings) -> bool:
+    """Whether `settings` name a torch engine (a malformed name: no)."""
+    try:
+        return parse_engine(settings.engine).kind in TORCH_KINDS
+    except ValueError:
+        return False
+
+
+class Engines:
+    """The app's engine factory: an `EngineProcess` per run, adopting the spare child `prepare`
+    started ahead, so that a torch engine after `l` or `r` skips importing torch (seconds of
+    dead air). A spare is started only between runs, never beside a run's timed steps."""
+
+    def __init__(self) -> None:
+        self._spare: WarmChild | None = None
+
+    @property
+    def spare(self) -> WarmChild | None:
+        """The child started ahead for the next run, if there is one."""
+        return self._spare
+
+    def __call__(self, settings: RunSettings) -> EngineProcess:
+        spare, self._spare = self._spare, None
+        if spare is not None and not (spare.alive and runs_torch(settings)):
+            spare.close()
+            spare = None
+        return EngineProcess(settings, spare=spare)
+
+    def prepare(self, settings: RunSettings) -> None:
+        """Start a spare for the next run, if `settings` name a torch engine and none is ready."""
+        if self._spare is None and runs_torch(settings):
+            self._spare = WarmChild()
+
+    def close(self) -> None:
+        """End the spare, if any (quitting)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+
+
 class EngineProcess:
     """A run in a child process: start it, read its events, pause, resume, stop, close."""
 
-    def __init__(self, settings: RunSettings) -> None:
+    def __init__(self, settings: RunSettings, *, spare: WarmChild | None = None) -> None:
         self.settings = settings
+        self._spare = spare
+        """A child started ahead, warm, for `start` to adopt instead of starting one."""
         self._proc: subprocess.Popen[str] | None = None
         self._stderr: IO[str] | None = None
         """The child's stderr, for the reason it died: made with the child, closed with it (an
@@ -117,18 +210,13 @@ class EngineProcess:
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            child_command(),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            encoding="utf-8",
-            bufsize=1,
-            cwd=CHILD_CWD,
-            start_new_session=True,  # the terminal's Ctrl-C goes to the UI, which stops us cleanly
-        )
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.alive:
+            self._proc, self._stderr = spare.proc, spare.stderr
+        else:
+            if spare is not None:
+                spare.close()
+            self._proc, self._stderr = _spawn(warm=False)
         self._send(json.dumps(absolute_paths(self.settings).to_json()))
 
     @property
@@ -235,7 +323,24 @@ def _read_commands(control: RunControl) -> None:
     control.stop()
 
 
-def child_main() -> int:
+def _warm_up(progress: Callable[[str], None]) -> None:
+    """Get a torch engine ready before its settings come (a spare): import torch and the models,
+    and pay FlopCounterMode's first use, saying so. Where that fails, the run that follows says
+    why."""
+    try:
+        progress("importing torch")
+        import kvtui.engine.torch_engine  # noqa: F401  (torch, the decoder)
+        from kvtui.gpu.counting import warm_flop_counter
+
+        progress(FLOP_COUNTER_PHRASE)
+        warm_flop_counter()
+    except Exception:  # no torch, say: the run's own start reports it, in one line
+        import traceback
+
+        traceback.print_exc()
+
+
+def child_main(warm: bool = False) -> int:
     from kvtui.engine.protocol import run_events
     from kvtui.engine.spec import open_engine
 
@@ -246,6 +351,11 @@ def child_main() -> int:
         out.write(json.dumps(to_json(event), separators=(",", ":")) + "\n")
         out.flush()
 
+    def progress(phrase: str) -> None:
+        emit(RunProgress(safe_text(phrase, one_line=True)[:MAX_PROGRESS_CHARS]))
+
+    if warm:
+        _warm_up(progress)
     try:
         settings = RunSettings.from_json(json.loads(sys.stdin.readline()))
     except (json.JSONDecodeError, TypeError, ValueError) as exc:
@@ -254,10 +364,6 @@ def child_main() -> int:
     control = RunControl()
     threading.Thread(target=_read_commands, args=(control,), daemon=True).start()
     engine = None
-
-    def progress(phrase: str) -> None:
-        emit(RunProgress(safe_text(phrase, one_line=True)[:MAX_PROGRESS_CHARS]))
-
     try:
         engine = open_engine(settings, progress)
         for event in run_events(engine, settings, control, watch=True):

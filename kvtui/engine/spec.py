@@ -13,6 +13,7 @@ HTTP to the URL given and nowhere else).
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,9 @@ EngineKind = Literal["tiny", "shape", "sim", "replay", "hf", "vllm"]
 Progress = Callable[[str], None]
 """Hears, a phrase at a time, what an engine is doing while it gets ready (kvtui.engine.protocol's
 `RunProgress`)."""
+
+FLOP_COUNTER_PHRASE = "setting up torch's FLOP counter"
+"""Said while kvtui.gpu.counting warms FlopCounterMode (it imports torch's compiler: seconds)."""
 
 ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR, vllm:URL"
 
@@ -115,7 +119,7 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
     what a slow engine is doing while it gets ready, in a phrase at a time."""
     spec = check_run(settings)
     say = progress or quiet
-    if spec.kind in ("tiny", "shape", "hf"):
+    if spec.kind in ("tiny", "shape", "hf") and "torch" not in sys.modules:
         say("importing torch")
     if spec.kind in ("tiny", "shape"):
         from kvtui.engine.torch_engine import open_torch_engine

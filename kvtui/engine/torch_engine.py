@@ -42,10 +42,10 @@ from kvtui.engine.protocol import (
     RunStarted,
     StepSample,
 )
-from kvtui.engine.spec import Progress, quiet
+from kvtui.engine.spec import FLOP_COUNTER_PHRASE, Progress, quiet
 from kvtui.format import format_bytes
 from kvtui.gpu.cache import KVCacheFull
-from kvtui.gpu.counting import PositionCounter
+from kvtui.gpu.counting import PositionCounter, flop_counter_warm
 from kvtui.gpu.device import describe_device, device_ridge, dtype_name, pick_device, run_dtype
 from kvtui.gpu.kernels import newest_attention
 from kvtui.gpu.load import (
@@ -83,10 +83,6 @@ def open_pool(
     else:
         capacity, source = CPU_KV_BUDGET_BYTES, "the CPU default"
     return KVPool(capacity, settings.kv_block_tokens, kv_bytes_per_token), source
-
-
-FLOP_COUNTER_PHRASE = "setting up torch's FLOP counter"
-"""Said while kvtui.gpu.counting warms FlopCounterMode (it imports torch's compiler: seconds)."""
 
 
 # --- the engines ---------------------------------------------------------------------------------
@@ -402,7 +398,8 @@ def open_torch_engine(
         label = meta.get("name", TINY_NAME)
         spec = spec_from_args(label, model.args)
         trained = trained_context(meta)
-        progress(FLOP_COUNTER_PHRASE)
+        if not flop_counter_warm():
+            progress(FLOP_COUNTER_PHRASE)
         tiny = DecoderEngine(
             settings, model, spec, device, label, byte_level=True, trained_positions=trained
         )
@@ -417,7 +414,8 @@ def open_torch_engine(
     progress(f"making {spec.name}'s random weights, timing the kernels")
     model = build_shape(spec, device, dtype, context, settings.seed, settings.batch)
     label = f"shape:{spec.name}"
-    progress(FLOP_COUNTER_PHRASE)
+    if not flop_counter_warm():
+        progress(FLOP_COUNTER_PHRASE)
     # Priced as what runs: kvtui's decoder in that shape (its own parameters, every position
     # attended: no sliding window), not the catalog entry it was built from.
     ran = replace(spec_from_args(label, model.args), display_name=spec.label)

@@ -168,6 +168,11 @@ def count_flops(call: Callable[[], object]) -> int:
     return int(fc.get_total_flops())
 
 
+def flop_counter_warm() -> bool:
+    """Whether `warm_flop_counter` has run in this process (its next call is free)."""
+    return warm_flop_counter.cache_info().currsize > 0
+
+
 @functools.cache
 def warm_flop_counter() -> None:
     """Pay FlopCounterMode's first use (about a second on a CPU: torch sets up its dispatch

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from kvtui.engine.process import EngineProcess
+from kvtui.engine.process import EngineProcess, Engines
 from kvtui.engine.protocol import (
     EngineError,
     RunControl,
@@ -20,7 +20,7 @@ from kvtui.engine.protocol import (
     run_events,
 )
 from kvtui.engine.replay import RecordWriter, read_record
-from kvtui.engine.spec import open_engine
+from kvtui.engine.spec import FLOP_COUNTER_PHRASE, open_engine
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes, weights_bytes
 from kvtui.sim.pool import kv_capacity
@@ -421,3 +421,35 @@ def test_the_fewest_gpus_named_are_the_fewest_that_fit():
     deepseek = get_model("deepseek-v3")  # 671B, bf16 in the sim (1,250 GiB), on 141 GiB H200s
     assert weights_bytes(shard(deepseek, 8), "bf16") + gib > 141 * gib
     assert weights_bytes(shard(deepseek, 16), "bf16") + gib <= 141 * gib
+
+
+def test_a_spare_engine_process_is_started_between_runs_and_adopted_by_the_next():
+    """`Engines` starts a spare child for a torch engine (torch imported ahead); the next torch
+    run adopts it, and its progress says what it did while it waited; another kind of engine
+    closes it and starts its own child."""
+    engines = Engines()
+    engines.prepare(SIM)
+    assert engines.spare is None  # sim: needs no torch, so no spare
+    tiny = RunSettings(engine="tiny", device="cpu", tokens=3, seed=1)
+    engines.prepare(tiny)
+    first = engines.spare
+    assert first is not None and first.alive
+    sim_run = engines(replace(SIM, tokens=2, replay_speed=0))
+    assert engines.spare is None and not first.alive  # closed unused
+    sim_run.start()
+    assert [e.kind for e in sim_run.events()][-1] == "finished"
+    sim_run.close()
+    engines.prepare(tiny)
+    spare = engines.spare
+    run = engines(tiny)
+    try:
+        run.start()
+        assert run.pid == spare.proc.pid  # the spare, adopted
+        kinds = [(e.kind, getattr(e, "phrase", "")) for e in run.events()]
+    finally:
+        run.close()
+        engines.close()
+    said = [phrase for kind, phrase in kinds if kind == "progress"]
+    assert said[:2] == ["importing torch", FLOP_COUNTER_PHRASE]  # while it waited
+    assert FLOP_COUNTER_PHRASE not in said[2:]  # ready: not said again
+    assert kinds[len(said)][0] == "started" and kinds[-1][0] == "finished"

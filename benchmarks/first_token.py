@@ -1,0 +1,176 @@
+"""Dead air: how long a person waits for the first token, at launch and after `l`. Not a test.
+
+In a real terminal (a detached tmux session on a tmux server of its own), `python -m kvtui
+--lesson` with the shipped model (`tiny`, cpu, 1 torch thread) is started, and its pane polled
+every few milliseconds for
+
+- the first frame (the lesson title), and the first token (the token stream's "N tokens" under
+  screen 1's stream), from the moment the command started (the pane's shell writes the time, then
+  execs python);
+- once the run is done and `--settle` seconds have passed (a person reading the screen), the key
+  `l` (lesson mode off: the full prompt, a new engine process), and the time from that key to the
+  new run's first token;
+- the engine's own words while it starts, as the header shows them (each one once).
+
+`--repo DIR` runs another checkout's kvtui with this Python (the one before a change, say), so a
+before/after comparison is taken in one run, interleaved. The machine is shared: quote medians of
+several repeats, and the CPU capability.
+
+    python benchmarks/first_token.py --repeats 3
+    python benchmarks/first_token.py --repeats 3 --repo /path/to/other/checkout --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+TITLE = "1 · Without a cache"
+TOKENS = re.compile(r"─ ?\d[\d,]* tokens ─")
+"""The token stream's subtitle once a token has arrived ("─ 1 tokens ─╯")."""
+STARTING = re.compile(r"starting the engine[^│]*")
+
+
+class Pane:
+    """A detached tmux session of one pane on a private tmux server; closed on exit."""
+
+    def __init__(self, command: str, size: tuple[int, int], cwd: Path) -> None:
+        self.name = f"pane-{time.monotonic_ns()}"
+        self.tmux = ["tmux", "-L", f"kvtui-first-token-{os.getpid()}-{self.name}"]
+        width, height = size
+        subprocess.run(
+            [*self.tmux, "new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height)]
+            + ["-c", str(cwd), command],
+            check=True,
+        )
+
+    def text(self) -> str:
+        done = subprocess.run(
+            [*self.tmux, "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
+        )
+        return done.stdout
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run([*self.tmux, "send-keys", "-t", self.name, *keys], check=False)
+
+    def close(self) -> None:
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True, check=False)
+
+    def __enter__(self) -> Pane:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def watch(pane: Pane, done, timeout: float, said: list[str]) -> float | None:
+    """time.time() when `done(text)` first holds, polling; the engine's words seen on the way
+    are added to `said` (each once)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        text = pane.text()
+        for words in STARTING.findall(text):
+            words = words.strip()
+            if words and (not said or said[-1] != words):
+                said.append(words)
+        if done(text):
+            return time.time()
+        time.sleep(0.01)
+    return None
+
+
+def one(repo: Path, size: tuple[int, int], settle: float, timeout: float) -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        start_file = Path(tmp) / "start"
+        env = f"PYTHONPATH='{repo}'"
+        command = (
+            f"date +%s.%N > '{start_file}'; {env} exec '{sys.executable}' -m kvtui --lesson "
+            "--engine tiny --device cpu"
+        )
+        said: list[str] = []
+        with Pane(command, size, repo) as pane:
+            frame = watch(pane, lambda t: TITLE in t, timeout, said)
+            token = watch(pane, lambda t: TOKENS.search(t) is not None, timeout, said)
+            start = float(start_file.read_text())
+            watch(pane, lambda t: "✓ done" in t, timeout, said)
+            time.sleep(settle)
+            restart_said: list[str] = []
+            pane.keys("l")
+            pressed = time.time()
+            watch(pane, lambda t: TOKENS.search(t) is None, timeout, restart_said)
+            again = watch(pane, lambda t: TOKENS.search(t) is not None, timeout, restart_said)
+            pane.keys("q")
+    return {
+        "first_frame_s": None if frame is None else frame - start,
+        "first_token_s": None if token is None else token - start,
+        "after_l_first_token_s": None if again is None else again - pressed,
+        "said_at_launch": said,
+        "said_after_l": restart_said,
+    }
+
+
+def median(values: list[object]) -> float | None:
+    numbers = [v for v in values if isinstance(v, float)]
+    return statistics.median(numbers) if numbers else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--size", default="80x24")
+    parser.add_argument("--settle", type=float, default=8.0, help="seconds between done and l")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--repo", type=Path, action="append", help="checkouts to compare")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    width, height = (int(n) for n in args.size.split("x"))
+    repos = [REPO, *(args.repo or [])]
+    runs: dict[str, list[dict[str, object]]] = {str(r): [] for r in repos}
+    for _ in range(args.repeats):
+        for repo in repos:  # interleaved, so that the machine's drift hits each alike
+            runs[str(repo)].append(one(repo, (width, height), args.settle, args.timeout))
+    import torch
+
+    result = {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "repeats": args.repeats,
+        "size": args.size,
+        "settle_s": args.settle,
+        "checkouts": {
+            repo: {
+                key: median([r[key] for r in rows])
+                for key in ("first_frame_s", "first_token_s", "after_l_first_token_s")
+            }
+            | {
+                "said_at_launch": rows[-1]["said_at_launch"],
+                "said_after_l": rows[-1]["said_after_l"],
+            }
+            for repo, rows in runs.items()
+        },
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"CPU {result['cpu_capability']}, {args.size}, median of {args.repeats}:")
+    for repo, r in result["checkouts"].items():
+        print(f"  {repo}")
+        for key in ("first_frame_s", "first_token_s", "after_l_first_token_s"):
+            value = r[key]
+            print(f"    {key:24} {'-' if value is None else f'{value:.2f} s'}")
+        print(f"    said at launch: {r['said_at_launch']}")
+        print(f"    said after l:   {r['said_after_l']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
