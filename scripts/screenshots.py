@@ -1,4 +1,5 @@
-"""Save SVG screenshots of the three screens (docs/) from a real run of the shipped model.
+"""Save SVG screenshots of the three screens and presenter mode (docs/) from a real run of the
+shipped model.
 
 python scripts/screenshots.py                      # tiny engine, 120x36, after the run ends
 python scripts/screenshots.py --engine sim:llama-3.1-8b@h100 --size 100x30
@@ -29,6 +30,9 @@ async def shoot(settings: RunSettings, size: tuple[int, int], out: Path) -> None
         await pilot.press("+", "+")  # screen 3: 24,000 -> 96,000 tokens, past capacity
         await pilot.pause(0.5)
         app.save_screenshot(str(out / "screen3-overflow.svg"))
+        await pilot.press("p", *["space"] * 8)  # presenter mode: node 2, its three figures
+        await pilot.pause(0.5)
+        app.save_screenshot(str(out / "present.svg"))
     app.close_engine()
 
 

@@ -107,7 +107,7 @@ def _wall(run: LiveRun) -> Shown:
     what = {"measured": "faster, wall time", "modelled": "faster, roofline"}.get(run.how, "faster")
     if not ratio:
         return Shown(None, what)
-    return Shown(format_ratio(ratio), f"{what} ({_how(run)}), not the count: screen 2")
+    return Shown(format_ratio(ratio), f"{what} ({_how(run)}); why not the count: screen 2")
 
 
 def _token_bytes(run: LiveRun) -> Shown:
@@ -213,6 +213,7 @@ class BigFigure(Vertical):
     }
     BigFigure > Digits {
         color: $text;
+        text-style: bold;
         width: auto;
     }
     BigFigure > .big--line {

@@ -103,8 +103,8 @@ def listed(rows: int, room: int) -> list[int | None]:
     fit, else the first ones (up to SINK_TOKENS), a gap (None) and as many of the newest as fit."""
     if rows <= room:
         return list(range(rows))
-    if room < 3:
-        return [None, *range(rows - max(0, room - 1), rows)][-max(1, room) :]
+    if room < 3:  # the gap and the newest row at most
+        return [None, *range(rows - room + 1, rows)]
     first = min(SINK_TOKENS, max(1, (room - 1) // 3))
     last = room - 1 - first
     return [*range(first), None, *range(rows - last, rows)]
