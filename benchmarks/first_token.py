@@ -73,16 +73,16 @@ class Pane:
         self.close()
 
 
-def watch(pane: Pane, done, timeout: float, said: list[str]) -> float | None:
+def watch(pane: Pane, done, timeout: float, said: list[tuple[float, str]]) -> float | None:
     """time.time() when `done(text)` first holds, polling; the engine's words seen on the way
-    are added to `said` (each once)."""
+    are added to `said` with the time.time() they were first seen (each once)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         text = pane.text()
         for words in STARTING.findall(text):
             words = words.strip()
-            if words and (not said or said[-1] != words):
-                said.append(words)
+            if words and (not said or said[-1][1] != words):
+                said.append((time.time(), words))
         if done(text):
             return time.time()
         time.sleep(0.01)
@@ -97,14 +97,14 @@ def one(repo: Path, size: tuple[int, int], settle: float, timeout: float) -> dic
             f"date +%s.%N > '{start_file}'; {env} exec '{sys.executable}' -m kvtui --lesson "
             "--engine tiny --device cpu"
         )
-        said: list[str] = []
+        said: list[tuple[float, str]] = []
         with Pane(command, size, repo) as pane:
             frame = watch(pane, lambda t: TITLE in t, timeout, said)
             token = watch(pane, lambda t: TOKENS.search(t) is not None, timeout, said)
             start = float(start_file.read_text())
             watch(pane, lambda t: "✓ done" in t, timeout, said)
             time.sleep(settle)
-            restart_said: list[str] = []
+            restart_said: list[tuple[float, str]] = []
             pane.keys("l")
             pressed = time.time()
             watch(pane, lambda t: TOKENS.search(t) is None, timeout, restart_said)
@@ -114,8 +114,8 @@ def one(repo: Path, size: tuple[int, int], settle: float, timeout: float) -> dic
         "first_frame_s": None if frame is None else frame - start,
         "first_token_s": None if token is None else token - start,
         "after_l_first_token_s": None if again is None else again - pressed,
-        "said_at_launch": said,
-        "said_after_l": restart_said,
+        "said_at_launch": [f"{at - start:.1f} s {words}" for at, words in said],
+        "said_after_l": [f"{at - pressed:.1f} s {words}" for at, words in restart_said],
     }
 
 
