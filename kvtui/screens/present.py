@@ -104,10 +104,11 @@ def _by_count(run: LiveRun) -> Shown:
 
 def _wall(run: LiveRun) -> Shown:
     ratio = run.wall_speedup()
-    what = {"measured": "faster, wall time", "modelled": "faster, roofline"}.get(run.how, "faster")
+    what = {"measured": "faster in wall time", "modelled": "faster by the roofline"}
+    line = what.get(run.how, "faster")
     if not ratio:
-        return Shown(None, what)
-    return Shown(format_ratio(ratio), f"{what} ({_how(run)}); why not the count: screen 2")
+        return Shown(None, line)
+    return Shown(format_ratio(ratio), f"{line} ({_how(run)}): less than by count")
 
 
 def _token_bytes(run: LiveRun) -> Shown:
