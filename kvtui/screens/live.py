@@ -49,6 +49,12 @@ FIRST_PIECES = 16
 LAST_PIECES = 128
 """Generated tokens kept one by one at the end of a loop (the picture lists the newest)."""
 
+SERVED_CACHE = (
+    "The server keeps this run's keys and values: they are not seen over HTTP. Screen 3 shows "
+    "its blocks as the server reports them."
+)
+"""What the cache picture says of a served (`vllm:`) run."""
+
 
 @dataclass
 class Series:
@@ -430,6 +436,8 @@ class LiveRun:
         step that carried its attention where the engine sends it (the rows, query and weights
         are then all of one step), else at the newest step."""
         started, trace = self.started, self.loops[loop]
+        if self.server is not None:
+            return CachePicture(loop, self.how, unseen=SERVED_CACHE)
         if started is None or trace.last is None:
             return CachePicture(loop, self.how)
         sample = trace.attention if started.attention_layer is not None else None

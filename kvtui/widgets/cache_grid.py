@@ -63,6 +63,8 @@ class CachePicture:
     """Why there are no weights, in words ("" where there are)."""
     behind: int = 0
     """Steps the loop has run past the one drawn (weights come at most 15 times a second)."""
+    unseen: str = ""
+    """Why this run's cache cannot be drawn, in words (a served run's is the server's), or ""."""
 
     @property
     def cached(self) -> bool:
@@ -181,7 +183,7 @@ class CacheGrid(Widget):
         p = self.picture
         room = max(8, self.outer_size.width - 6)  # the corners and a space each side
         what = "KV cache" if p.cached else "No cache"
-        if p.step is None:
+        if p.step is None or p.unseen:
             self.border_title, self.border_subtitle = what, ""
             return
         how = [p.how] if p.how else []
@@ -212,6 +214,8 @@ class CacheGrid(Widget):
     def render(self) -> RenderableType:
         width, height = self.content_size.width, self.content_size.height
         p = self.picture
+        if p.unseen:
+            return Text(p.unseen, style=self._style("muted"))
         if p.step is None or width <= 0 or height <= 0:
             return Text("The first step's keys and values come here.", style=self._style("muted"))
         lines = self.lines(width, height)[:height]

@@ -11,7 +11,7 @@ from test_screens import settle
 
 from kvtui.engine.attention import ATTENTION_SCALE
 from kvtui.engine.protocol import RunStarted, StepSample
-from kvtui.screens.live import LiveRun
+from kvtui.screens.live import SERVED_CACHE, LiveRun
 from kvtui.widgets.cache_grid import CacheGrid
 
 LESSON = replace(SETTINGS, tokens=16, lesson=True)
@@ -109,3 +109,19 @@ async def test_a_modelled_run_says_it_has_no_weights_at_80x24():
         assert lines[-2].startswith("q 31 reads 32 keys")  # a 9-token prompt, 24 tokens
         assert any(line.startswith("⋮") for line in lines)  # more rows than lines: a gap
         assert grid.border_subtitle.endswith("modelled")
+
+
+def test_a_served_run_says_its_cache_is_the_servers():
+    """A `vllm:` run's keys and values are the server's: the picture does not draw a cache
+    kvtui cannot see."""
+    events = measured_events(replace(SETTINGS, tokens=4))
+    run = LiveRun(SETTINGS)
+    for event in events:
+        run.apply(
+            replace(event, served_by="vLLM 0.32 at http://127.0.0.1:8001")
+            if isinstance(event, RunStarted)
+            else event
+        )
+    for loop in ("cached", "uncached"):
+        assert run.picture(loop).unseen == SERVED_CACHE
+        assert run.picture(loop).rows == 0
