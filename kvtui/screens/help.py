@@ -27,8 +27,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
   n            next run's batch: 1, 2, 4 ... 64 sequences (3)
   f            fill a vllm:URL server's KV cache: a bounded load (3)
   m g k b      what-if model, GPU, KV dtype, batch (3)
-  t            explain it back: the lesson's questions
-  p            presenter mode: one idea at a time (space next, ← back, s pause)
+  t  p         explain it back (the lesson's questions); presenter mode
   ctrl+p       command palette: engines, what-if, themes, screenshot
   ?            this help (escape closes it)
   q            quit"""
