@@ -478,7 +478,7 @@ class LiveRun:
         """Why the picture has no weights, in a few words."""
         started = self.started
         if started is not None and started.attention_layer is not None:
-            return "weights: with the next sample"
+            return "weights: with a later step"
         if self.how == "modelled":
             return "sim: no attention (modelled)"
         kind = self.settings.engine.split(":", 1)[0]

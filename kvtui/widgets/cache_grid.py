@@ -29,6 +29,12 @@ the middle's)."""
 
 EIGHTHS = " ▏▎▍▌▋▊▉█"
 
+MAX_TOKEN_CELLS = 12
+"""The widest a row's token is shown (a longer one is cut, marked "…")."""
+
+SHARE_CELLS = 1 + 4 + 1 + 5
+"""What a row's share takes at least: a space, a bar of 4, a space, "12.3%"."""
+
 
 @dataclass(frozen=True)
 class CachePicture:
@@ -74,11 +80,12 @@ class CachePicture:
 def token_label(piece: str | None, width: int) -> str:
     """A token's text in at most `width` cells, every character visible: a space as "␣", a
     newline as "↵", a tab as "⇥", other controls as "·", a byte in the middle of a character as
-    "…", an unknown text as "?"."""
+    "◌" (the character comes with a later byte), an unknown text as "?"; a longer text is cut,
+    ending in "…"."""
     if piece is None:
         return "?"
     if piece == "":
-        return "…"
+        return "◌"
     marks = {" ": "␣", "\n": "↵", "\t": "⇥"}
     shown = "".join(marks.get(ch, ch if ch.isprintable() else "·") for ch in piece)
     return shown if len(shown) <= width else shown[: max(1, width - 1)] + "…"
@@ -117,7 +124,7 @@ class CacheGrid(Widget):
 
     DEFAULT_CSS = """
     CacheGrid {
-        border: round $primary 40%;
+        border: round $primary;
         border-title-color: $text;
         border-subtitle-color: $text-muted;
         padding: 0 1;
@@ -125,23 +132,24 @@ class CacheGrid(Widget):
         width: 1fr;
     }
     CacheGrid > .grid--kept {
-        color: $success;
+        color: auto;
+        background: $success;
     }
     CacheGrid > .grid--new {
-        color: $background;
+        color: auto;
         background: $accent;
         text-style: bold;
     }
     CacheGrid > .grid--recomputed {
-        color: $background;
+        color: auto;
         background: $primary;
     }
     CacheGrid > .grid--query {
-        color: $accent;
+        color: $text-primary;
         text-style: bold;
     }
     CacheGrid > .grid--bar {
-        color: $warning;
+        color: $warning-darken-3;
     }
     CacheGrid > .grid--muted {
         color: $text-muted;
@@ -233,7 +241,12 @@ class CacheGrid(Widget):
         room = max(1, height - len(footer))
         shown = listed(p.rows, room)
         digits = len(f"{max(0, p.rows - 1)}")
-        token_width = max(1, min(6, (width - digits - 12) // 3))
+        longest = max(
+            (len(token_label(p.pieces.get(i), MAX_TOKEN_CELLS)) for i in shown if i is not None),
+            default=1,
+        )
+        fixed = 1 + digits + 1 + 1 + len("K V") + (SHARE_CELLS if p.attention else 0)
+        token_width = max(1, min(longest, width - fixed))
         body = [
             self._gap_line(shown, width, digits)
             if position is None
@@ -276,10 +289,14 @@ class CacheGrid(Widget):
         end = after if after is not None else p.rows
         line = Text(no_wrap=True, overflow="ellipsis", end="")
         line.append("⋮", style=self._style("muted"))
-        words = f"{start:>{digits}}-{end - 1}: {end - start:,} rows"
-        if p.block_tokens:
-            words += f", blocks {start // p.block_tokens}-{(end - 1) // p.block_tokens}"
-        line.append(words, style=self._style("muted"))
+        rows = f"{start:>{digits}}-{end - 1}: {end - start:,} rows"
+        blocks = (
+            [f"{rows}, blocks {start // p.block_tokens}-{(end - 1) // p.block_tokens}"]
+            if p.block_tokens
+            else []
+        )
+        room = width - 1 - (SHARE_CELLS if p.attention else 0)
+        line.append(fit([*blocks, rows, f"{end - start:,} rows"], room), style=self._style("muted"))
         share = p.attention.share(start, end) if p.attention else None
         self._append_share(line, share, width)
         return line

@@ -125,3 +125,30 @@ def test_a_served_run_says_its_cache_is_the_servers():
     for loop in ("cached", "uncached"):
         assert run.picture(loop).unseen == SERVED_CACHE
         assert run.picture(loop).rows == 0
+
+
+async def test_the_picture_and_presenter_mode_read_on_both_themes():
+    """Text 4.5:1 and graphics 3:1 (tests/screens/test_contrast.py's measure) for the picture
+    with its attention bars, kept, new and recomputed rows, and presenter mode's title and a
+    node with its figures (large digits, their lines)."""
+    from test_contrast import too_faint
+
+    from kvtui.testing import headless
+
+    events = with_attention(measured_events(LESSON))
+    faint: list[str] = []
+    async with headless(LESSON, 2, size=(100, 30), engine=events) as run:
+        await run.until_done()
+        for theme in ("textual-dark", "textual-light"):
+            run.app.theme = theme
+            for where, keys in (
+                ("screen 2", ()),
+                ("cache off", ("c",)),
+                ("presenter mode's title", ("c", "p")),
+                ("presenter mode's node 2", ["space"] * 8),
+            ):
+                await run.press(*keys)
+                await run.settle()
+                faint += too_faint(run, f"{theme}, {where}")
+            await run.press("p", "2")
+    assert not faint, "\n".join(faint)
