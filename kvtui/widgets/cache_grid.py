@@ -289,14 +289,16 @@ class CacheGrid(Widget):
         end = after if after is not None else p.rows
         line = Text(no_wrap=True, overflow="ellipsis", end="")
         line.append("⋮", style=self._style("muted"))
-        rows = f"{start:>{digits}}-{end - 1}: {end - start:,} rows"
+        rows = f" {start}-{end - 1}: {end - start:,} rows"
         blocks = (
             [f"{rows}, blocks {start // p.block_tokens}-{(end - 1) // p.block_tokens}"]
             if p.block_tokens
             else []
         )
         room = width - 1 - (SHARE_CELLS if p.attention else 0)
-        line.append(fit([*blocks, rows, f"{end - start:,} rows"], room), style=self._style("muted"))
+        line.append(
+            fit([*blocks, rows, f" {end - start:,} rows"], room), style=self._style("muted")
+        )
         share = p.attention.share(start, end) if p.attention else None
         self._append_share(line, share, width)
         return line
