@@ -63,7 +63,7 @@ def _per_step(run: LiveRun) -> Shown:
     if trace.last is None:
         return Shown(None, "positions the newest step computed")
     return Shown(
-        format_ratio(trace.last_positions), f"positions at step {trace.steps:,} ({_how(run)})"
+        format_digits(trace.last_positions), f"positions at step {trace.steps:,} ({_how(run)})"
     )
 
 

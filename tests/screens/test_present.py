@@ -52,9 +52,9 @@ async def test_space_reveals_each_figure_then_the_next_node_and_left_goes_back()
         node1 = [figures for title, figures in steps if title == NODES[1].title]
         assert node1 == [  # the lesson's figures, as the run measured them, one at a time
             [],
-            [("PER STEP", "24x")],
-            [("PER STEP", "24x"), ("TOTAL", "300")],
-            [("PER STEP", "24x"), ("TOTAL", "300"), ("WASTED", "276")],
+            [("PER STEP", "24")],
+            [("PER STEP", "24"), ("TOTAL", "300")],
+            [("PER STEP", "24"), ("TOTAL", "300"), ("WASTED", "276")],
         ]
         assert shown(app)[0] == NODES[-1].title  # the last press stays on the last node
         assert "GPU memory: the KV cache grew" in screen_text(app)
