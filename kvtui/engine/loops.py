@@ -36,7 +36,9 @@ from torch import Tensor
 from kvtui.gpu.counting import PositionCounter, count_flops
 from kvtui.gpu.device import synchronize
 from kvtui.gpu.model import Transformer
+from kvtui.gpu.tricks import LayoutKVCache, prefill_shared, setup_layout_caches
 from kvtui.sim.pool import DEFAULT_BLOCK_SIZE
+from kvtui.sim.tricks import KVLayout
 from kvtui.text import encode_bytes
 
 
@@ -245,6 +247,11 @@ class DecoderCache:
     model: Transformer
 
     def prefill(self, prompt: Tensor) -> Tensor:
+        kv = self.model.kv
+        if isinstance(kv, LayoutKVCache) and kv.layout.prefix_caching:
+            return prefill_shared(
+                self.model, prompt
+            )  # the later rows compute what they don't share
         logits: Tensor = self.model(prompt, start=0, use_cache=True, last_only=True)
         return logits[:, -1]
 
@@ -280,21 +287,23 @@ def generate(
     *,
     cache: bool,
     flops_at: Callable[[int], bool] = counts_flops,
+    layout: KVLayout | None = None,
 ) -> Generator[Step, None, None]:
     """kvtui's decoder through the cached loop (its caches set up for the run and dropped after)
     or the uncached one, on prompts `(B, P)`: for scripts, benchmarks and tests that want steps
     without an engine. `flops_at` picks the steps whose FLOPs are counted (a benchmark of the
-    decode path alone counts none: `never`)."""
+    decode path alone counts none: `never`); `layout` keeps the cache in one of kvtui.gpu.tricks'
+    layouts (fewer key/value heads is the model's to have: kvtui.gpu.tricks.average_kv_heads)."""
     counted = PositionCounter(model)
     if not cache:
         recompute = functools.partial(recompute_all, model)
         yield from recompute_loop(recompute, prompt, n_tokens, sampling, counted, flops_at)
         return
-    model.setup_caches(  # in the engine's blocks, from a pool that holds the run
-        batch=prompt.shape[0],
-        max_len=prompt.shape[1] + n_tokens,
-        block_tokens=DEFAULT_BLOCK_SIZE,
-    )
+    batch, max_len = prompt.shape[0], prompt.shape[1] + n_tokens
+    if layout is not None and not layout.paged_as_is:
+        setup_layout_caches(model, batch, max_len, layout, block_tokens=DEFAULT_BLOCK_SIZE)
+    else:  # in the engine's blocks, from a pool that holds the run
+        model.setup_caches(batch=batch, max_len=max_len, block_tokens=DEFAULT_BLOCK_SIZE)
     try:
         yield from cached_loop(DecoderCache(model), prompt, n_tokens, sampling, counted, flops_at)
     finally:

@@ -5,6 +5,8 @@ run can find the pool empty (`KVCacheFull`)."""
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -38,6 +40,46 @@ class BlockPool:
         for block in blocks:
             heapq.heappush(self._free, block)
         self.taken -= len(blocks)
+
+
+class LayerCache(Protocol):
+    """One layer's keys and values in a KV cache, as `Transformer.forward` uses them."""
+
+    def update(self, start: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write the new positions' keys and values `(B, n_kv_head, T, head_dim)` from `start`;
+        return every position's the step attends to."""
+        ...
+
+    def read(self) -> tuple[Tensor, Tensor]: ...
+
+
+class KVCache(Protocol):
+    """What `Transformer.forward` needs of a KV cache: the plain `PagedKVCache`, or one of
+    kvtui.gpu.tricks' layouts (a smaller element, a window, shared prefixes)."""
+
+    @property
+    def layers(self) -> Sequence[LayerCache]: ...
+
+    pool: BlockPool
+    bytes_per_position: int
+    block_bytes: int
+    keys_rotated_on_read: bool
+    """Whether the layers' `update` rotates keys (RoPE) by their index in the cache as it reads
+    them, so that `forward` hands them over un-rotated (a window re-indexes positions)."""
+
+    def reserve(self, start: int, n: int) -> None: ...
+
+    def rope_start(self, start: int, n: int) -> int:
+        """The rotary index of the first of `n` new positions from `start`."""
+        ...
+
+    @property
+    def filled_bytes(self) -> int: ...
+
+    @property
+    def allocated_bytes(self) -> int: ...
+
+    def free(self) -> None: ...
 
 
 class PagedKVCache:
@@ -95,6 +137,13 @@ class PagedKVCache:
         """Blocks every sequence holds at least."""
         self.write_slots = self.read_slots = self._slots[0, :0]
         """The slots a step writes and reads, every sequence's in turn, where `base` is None."""
+
+    keys_rotated_on_read = False
+    """Keys arrive rotated by their positions, and are kept so."""
+
+    def rope_start(self, start: int, n: int) -> int:
+        """Positions are their own rotary indices."""
+        return start
 
     @property
     def allocated_bytes(self) -> int:

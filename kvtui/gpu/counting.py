@@ -76,14 +76,17 @@ class PositionCounter:
 
 def _attention_flops(query: Tensor, key: Tensor, is_causal: bool, mask: Tensor | None) -> int:
     """4 x head_dim FLOPs for each query head's pair with each key it may attend: all of them,
-    the causal ones (aligned top-left, as SDPA's is_causal is) or the ones a boolean mask allows."""
+    the causal ones (aligned top-left, as SDPA's is_causal is) or the ones a mask allows (a
+    boolean mask's True entries; an additive one's finite entries, as SDPA turns a boolean mask
+    into before its CPU kernel)."""
     *lead, T, hd = query.shape
     S = key.shape[-2]
     heads = 1
     for n in lead:
         heads *= n
-    if mask is not None and mask.dtype == torch.bool:
-        pairs = int(mask.expand(*lead, T, S).sum()) // heads
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask > float("-inf")
+        pairs = int(allowed.expand(*lead, T, S).sum()) // heads
     elif is_causal:
         pairs = sum(min(i + 1, S) for i in range(T))
     else:

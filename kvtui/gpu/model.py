@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvtui.gpu.cache import LayerKV, PagedKVCache
+from kvtui.gpu.cache import KVCache, LayerCache, PagedKVCache
 from kvtui.gpu.kernels import Linear, MatvecTiming, attend_one, choose_matvec
 from kvtui.sim.catalog import estimate_params
 
@@ -201,7 +201,7 @@ class Transformer(nn.Module):
         self.output = Linear(args.dim, args.vocab_size, **factory)
         freqs = rope_table(args.max_positions, args.head_dim, args.rope_base).to(device)
         self.register_buffer("rope", freqs, persistent=False)
-        self.kv: PagedKVCache | None = None
+        self.kv: KVCache | None = None
         self._weights: Weights | None = None
         """The weights (and kernels) as `forward` reads them, gathered with the caches and
         dropped with them; without caches, gathered on every call (training replaces them)."""
@@ -270,7 +270,7 @@ class Transformer(nn.Module):
         block_tokens = block_tokens or max_len
         usable = batch * -(-max_len // block_tokens)
         p = self.output.weight
-        self.kv = PagedKVCache(
+        kv = PagedKVCache(
             self.args.n_layer,
             batch,
             self.args.n_kv_head,
@@ -281,19 +281,32 @@ class Transformer(nn.Module):
             dtype=p.dtype,
             device=p.device,
         )
+        self.adopt_cache(kv)
+        return kv
+
+    def adopt_cache(self, kv: KVCache) -> None:
+        """Decode with `kv` (a cache made elsewhere: kvtui.gpu.tricks' layouts), the weights
+        gathered for it as `setup_caches` gathers them."""
+        self.kv = kv
         self._weights = self._gather()
-        return self.kv
 
     def drop_caches(self) -> None:
         self.kv = None
         self._weights = None
         self.watched = None  # it may hold a view of the cache's storage
 
+    def rotations(self) -> Tensor:
+        """The RoPE table as complex numbers, `(max_positions, 1, head_dim // 2)`."""
+        return torch.view_as_complex(self.rope.to(torch.float32)).unsqueeze(1)
+
     def _gather(self) -> Weights:
         layers = [cast(Block, layer).weights() for layer in self.layers]
-        rotations = torch.view_as_complex(self.rope.to(torch.float32)).unsqueeze(1)
         return Weights(
-            self.tok_embeddings.weight, layers, self.norm.weight, self.output.bound(), rotations
+            self.tok_embeddings.weight,
+            layers,
+            self.norm.weight,
+            self.output.bound(),
+            self.rotations(),
         )
 
     def forward(
@@ -310,34 +323,40 @@ class Transformer(nn.Module):
         the uncached step `forward(ids)`.
         """
         B, T = idx.shape
-        if start + T > self.args.max_positions:
+        kv = self.kv if use_cache else None
+        if start + T > self.args.max_positions and not (kv and kv.keys_rotated_on_read):
             limit = self.args.max_positions
             raise ValueError(f"position {start + T} is past the model's {limit}")
-        caches: list[LayerKV | None] = [None] * self.args.n_layer
+        caches: list[LayerCache | None] = [None] * self.args.n_layer
+        rope_at, rotate_keys = start, True
         if use_cache:
-            if self.kv is None:
+            if kv is None:
                 raise RuntimeError("setup_caches() first")
-            self.kv.reserve(start, T)
-            caches = list(self.kv.layers)
+            kv.reserve(start, T)
+            caches = list(kv.layers)
+            rope_at, rotate_keys = kv.rope_start(start, T), not kv.keys_rotated_on_read
         w = self._weights or self._gather()
         a = self.args
         H, KV, hd, dim, eps = a.n_head, a.n_kv_head, a.head_dim, (a.dim,), a.norm_eps
-        freqs = w.rotations.narrow(0, start, T)  # (T, 1, head_dim // 2)
+        freqs = w.rotations.narrow(0, rope_at, T)  # (T, 1, head_dim // 2)
         rows, watch = 0, self.watch_layer
         x = F.embedding(idx, w.embedding)  # (B, T, dim)
         for i, (layer, cache) in enumerate(zip(w.layers, caches, strict=True)):
             qkv = layer.wqkv(F.rms_norm(x, dim, layer.attention_norm, eps))
             qkv = qkv.view(B, T, H + 2 * KV, hd)
             rows += qkv.shape[0] * qkv.shape[1]  # the rows this layer's projection produced
-            # Queries and keys are rotated together: one RoPE over n_head + n_kv_head heads.
-            qk = apply_rope(qkv.narrow(2, 0, H + KV), freqs)
-            k = qk.narrow(2, H, KV).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+            if rotate_keys:  # queries and keys together: one RoPE over n_head + n_kv_head heads
+                qk = apply_rope(qkv.narrow(2, 0, H + KV), freqs)
+                q, k = qk.narrow(2, 0, H), qk.narrow(2, H, KV)
+            else:  # the cache rotates keys by their index in it as it reads them
+                q, k = apply_rope(qkv.narrow(2, 0, H), freqs), qkv.narrow(2, H, KV)
+            k = k.transpose(1, 2)  # (B, n_kv_head, T, head_dim)
             v = qkv.narrow(2, H + KV, KV).transpose(1, 2)
             if cache is not None:
-                k, v = cache.update(start, k, v)  # (B, n_kv_head, start + T, head_dim)
+                k, v = cache.update(start, k, v)  # (B, n_kv_head, positions attended, head_dim)
             if i == watch:
-                self.watched = (qk.narrow(2, 0, H), k)
-            x = x + layer.wo(attend(qk.narrow(2, 0, H), k, v))
+                self.watched = (q, k)
+            x = x + layer.wo(attend(q, k, v))
             gate, up = layer.w13(F.rms_norm(x, dim, layer.ffn_norm, eps)).chunk(2, dim=-1)
             x = x + layer.w2(F.silu(gate) * up)
         self.key_rows += rows

@@ -42,7 +42,8 @@ DTYPE_BYTES: dict[str, Fraction] = {
 }
 """Bytes per element of each storage format; int4 is half a byte, kept exact. int8 (integers,
 as bitsandbytes and 8-bit GPTQ store weights) is not fp8 (a float format), though both take a
-byte."""
+byte. A KV cache in int8 also keeps a scale per vector (kvtui.sim.memory.KV_SCALE_BYTES); fp8
+keeps one per tensor."""
 
 _DTYPE_ALIASES = {
     "float32": "fp32",

@@ -13,7 +13,8 @@ kv head (grouped-query attention shares them across query heads):
 - a sliding-window layer keeps at most its window of positions (Mistral 7B's rolling buffer,
   arXiv:2310.06825; Gemma 2's alternating local/global layers, arXiv:2408.00118).
 
-Sizes are exact integers of bytes; int4 (half a byte) is counted exactly and rounded up once.
+Sizes are exact integers of bytes; int4 (half a byte) is counted exactly and rounded up once. A
+format that keeps a scale beside each vector counts its scales too (KV_SCALE_BYTES: int8).
 
 The rest of the memory model builds on these sizes: one GPU's share under tensor parallelism
 (kvtui.sim.parallel), a budget against a GPU with its advice (kvtui.sim.budget), and the KV pool
@@ -29,6 +30,7 @@ from kvtui.sim.catalog import (
     GIB,
     ModelSpec,
     dtype_bytes,
+    normalize_dtype,
 )
 
 RUNTIME_RESERVE_BYTES = GIB
@@ -50,6 +52,27 @@ def kv_elements_per_token_per_layer(spec: ModelSpec) -> int:
     return 2 * spec.kv_heads * spec.head_dim
 
 
+KV_SCALE_BYTES = {"int8": 2}
+"""Bytes of the scale a KV-cache format keeps beside each vector it stores (one token's key or
+value of one head; an MLA latent). int8 keeps one fp16 scale per token and head, its absolute
+maximum over 127 (kvtui.gpu.tricks): with head_dim 32 that is llama.cpp's q8_0 exactly (32 int8
+values and an fp16 scale per block; ggml-common.h `block_q8_0`). fp8 keeps vLLM's scale per tensor
+(1.0 unless calibrated: docs.vllm.ai, "Quantized KV Cache"), no bytes per token."""
+
+
+def kv_scale_bytes_per_token_per_layer(spec: ModelSpec, kv_dtype: str) -> int:
+    """Bytes of scales one token adds to one layer's cache in `kv_dtype` (0 for most)."""
+    vectors = 1 if spec.kv_lora_rank is not None else 2 * spec.kv_heads
+    return KV_SCALE_BYTES.get(normalize_dtype(kv_dtype), 0) * vectors
+
+
+def kv_bytes_per_token_per_layer(spec: ModelSpec, kv_dtype: str) -> Fraction:
+    """Bytes one token adds to one layer's cache in `kv_dtype`, scales included (exact)."""
+    return kv_elements_per_token_per_layer(spec) * dtype_bytes(
+        kv_dtype
+    ) + kv_scale_bytes_per_token_per_layer(spec, kv_dtype)
+
+
 def cached_layer_positions(spec: ModelSpec, context_tokens: int) -> int:
     """Sum over layers of the positions each layer keeps for a context (windows cap theirs)."""
     check_count("context_tokens", context_tokens, minimum=0)
@@ -63,14 +86,14 @@ def ceil_bytes(value: Fraction) -> int:
 
 def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "bf16") -> int:
     """KV-cache bytes one more token adds while no window is full (rounded up for int4)."""
-    return ceil_bytes(spec.layers * kv_elements_per_token_per_layer(spec) * dtype_bytes(kv_dtype))
+    return ceil_bytes(spec.layers * kv_bytes_per_token_per_layer(spec, kv_dtype))
 
 
 def kv_bytes(spec: ModelSpec, context_tokens: int, batch: int = 1, kv_dtype: str = "bf16") -> int:
     """KV-cache bytes for `batch` sequences of `context_tokens` each (exact; int4 rounded up)."""
     check_count("batch", batch, minimum=1)
-    elements = batch * cached_layer_positions(spec, context_tokens)
-    return ceil_bytes(elements * kv_elements_per_token_per_layer(spec) * dtype_bytes(kv_dtype))
+    positions = batch * cached_layer_positions(spec, context_tokens)
+    return ceil_bytes(positions * kv_bytes_per_token_per_layer(spec, kv_dtype))
 
 
 def weights_bytes(spec: ModelSpec, weights_dtype: str | None = None) -> int:

@@ -13,14 +13,13 @@ from kvtui.format import format_bytes, format_int
 from kvtui.sim.catalog import (
     GPUSpec,
     ModelSpec,
-    dtype_bytes,
     normalize_dtype,
 )
 from kvtui.sim.memory import (
     RUNTIME_RESERVE_BYTES,
     ceil_bytes,
     check_count,
-    kv_elements_per_token_per_layer,
+    kv_bytes_per_token_per_layer,
     weights_bytes,
 )
 from kvtui.sim.parallel import shard
@@ -114,10 +113,7 @@ def kv_capacity(
     usable = math.floor(gpu.memory_bytes * Fraction(str(gpu_memory_utilization)))
     available = usable - weights_bytes(share, weights_dtype) - reserve_bytes
     per_block = ceil_bytes(
-        block_size
-        * share.layers
-        * kv_elements_per_token_per_layer(share)
-        * dtype_bytes(normalize_dtype(kv_dtype))
+        block_size * share.layers * kv_bytes_per_token_per_layer(share, normalize_dtype(kv_dtype))
     )
     blocks = max(0, available) // per_block
     per_request = -(-context_tokens // block_size)

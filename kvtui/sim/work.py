@@ -158,9 +158,21 @@ def uncached_step_flops(spec: ModelSpec, positions: int, batch: int = 1) -> int:
     Plus causal attention: query i attends to i keys (its window, in a sliding layer), 4 x heads
     x head_dim FLOPs per key. So it is the cached steps at contexts 1..P, less P - 1 heads.
     """
+    return prefill_chunk_flops(spec, 0, positions, batch)
+
+
+def prefill_chunk_flops(spec: ModelSpec, start: int, positions: int, batch: int = 1) -> int:
+    """FLOPs of one pass that computes `positions` new positions after `start` positions already
+    cached (an uncached step or a prefill: `start` 0): as `uncached_step_flops`, query i of the
+    chunk attending to the start + i keys before it and itself (its window, in a sliding layer).
+    A sequence whose prompt begins with blocks another holds computes only the rest so
+    (kvtui.sim.tricks, prefix caching)."""
+    _check("start", start, 0)
     _check("positions", positions, 1)
     _check("batch", batch, 1)
-    keys = sum(_causal_keys(positions, w) for w in spec.layer_windows())
+    keys = sum(
+        _causal_keys(start + positions, w) - _causal_keys(start, w) for w in spec.layer_windows()
+    )
     body = spec.multiplied_params - head_params(spec)
     attention = 4 * spec.heads * spec.head_dim * keys
     return batch * (2 * body * positions + 2 * head_params(spec) + attention)

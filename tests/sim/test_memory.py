@@ -79,7 +79,7 @@ def test_dtypes_scale_exactly():
         "fp16": bf16,
         "bf16": bf16,
         "fp8": bf16 // 2,
-        "int8": bf16 // 2,
+        "int8": bf16 // 2 + 3 * 1000 * 32 * 2 * 8 * 2,  # and an fp16 scale per token and head
         "int4": bf16 // 4,
     }
     assert kv_bytes(spec, 10, 1, "bfloat16") == kv_bytes(spec, 10, 1, "bf16")
