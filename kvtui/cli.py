@@ -33,17 +33,21 @@ from kvtui.format import (
 )
 from kvtui.options import (
     DEFAULT_APP_TOKENS,
+    LOOP_CHOICES,
     Parser,
     UsageError,
     add_run_options,
+    int_in,
     settings_from_args,
 )
+from kvtui.paths import HELDOUT_BYTES
 from kvtui.reports import add_budget, add_gpus, add_models, add_work, print_json
 from kvtui.served import add_export_hf, add_load
 from kvtui.sim.catalog import (
     ConfigError,
     UnknownNameError,
 )
+from kvtui.sim.tricks import QUALITY_BYTES
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -95,7 +99,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         if len(batches) == 1:
             settings = replace(settings, batch=batches[0])
-            result = run_bench(settings, record=args.record, force=args.force, progress=progress)
+            result = run_bench(
+                settings,
+                record=args.record,
+                force=args.force,
+                progress=progress,
+                quality_bytes=args.quality_bytes,
+            )
         else:
             result = run_sweep(settings, batches, progress=progress)
     except EngineError as exc:
@@ -117,6 +127,13 @@ def _add_bench(subparsers: Any) -> None:
     p = subparsers.add_parser("bench", help="measure the cached and uncached loops on one prompt")
     add_run_options(p, app=False)
     p.add_argument(
+        "--loops",
+        choices=list(LOOP_CHOICES),
+        default="both",
+        help="which loops run (default both; the uncached loop cannot go past the model's "
+        "positions, and at 16,384 tokens it would take hours)",
+    )
+    p.add_argument(
         "--record",
         type=Path,
         metavar="FILE",
@@ -124,6 +141,15 @@ def _add_bench(subparsers: Any) -> None:
         "Ctrl-C included; never over an existing file without --force, never through a link)",
     )
     p.add_argument("--force", action="store_true", help="let --record replace an existing file")
+    p.add_argument(
+        "--quality-bytes",
+        type=int_in(0, HELDOUT_BYTES),
+        default=None,
+        metavar="N",
+        help="measure what each loop's KV cache costs in quality on N bytes of held-out Austen "
+        f"(tiny only; default {QUALITY_BYTES:,} with a KV-cache trick, else none; 0: none; at "
+        f"most {HELDOUT_BYTES:,})",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=cmd_bench)
 

@@ -14,6 +14,7 @@ from kvtui.engine.protocol import (
     LOOPS,
     MAX_RUN_BATCH,
     MAX_TOKENS,
+    Loop,
     RunSettings,
 )
 from kvtui.format import (
@@ -298,6 +299,7 @@ def add_run_options(group: Any, *, app: bool) -> None:
         help="the share of the GPU's memory the engine fills, weights and KV pool "
         f"(default {DEFAULT_GPU_MEMORY_UTILIZATION:g}, as vLLM's flag)",
     )
+    add_layout_options(group)
     if app:
         group.add_argument(
             "--batch",
@@ -327,13 +329,58 @@ def add_run_options(group: Any, *, app: bool) -> None:
         )
 
 
+def add_layout_options(group: Any) -> None:
+    """How the cached loop keeps its KV cache: the tricks that stretch it (kvtui.sim.tricks),
+    by vLLM's flag names where vLLM has one."""
+    from kvtui.sim.tricks import KV_CACHE_DTYPES
+
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="what the KV cache stores: auto (the model's dtype), fp8 (e4m3, vLLM's scale of 1) "
+        "or int8 (a scale per token and head); kvtui's own engines",
+    )
+    group.add_argument(
+        "--kv-window",
+        type=int_in(1, MAX_TOKENS),
+        default=None,
+        metavar="W",
+        help="keep W positions per sequence, the first --kv-sinks and the latest (StreamingLLM): "
+        "blocks out of the window go back to the pool; with --loops cached a run goes past the "
+        "model's positions",
+    )
+    group.add_argument(
+        "--kv-sinks",
+        type=int_in(0, MAX_TOKENS),
+        default=0,
+        metavar="S",
+        help="the first S positions a --kv-window always keeps (default 0; StreamingLLM used 4)",
+    )
+    group.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="a batch's sequences share the full blocks of their prompt (vLLM's flag): hashed "
+        "blocks held once, the last prompt block computed by each",
+    )
+    group.add_argument(
+        "--kv-heads",
+        type=int_in(1, 1024),
+        default=None,
+        metavar="N",
+        help="average the model's key/value heads into N without retraining (1: multi-query "
+        "attention); N must divide them",
+    )
+
+
 def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSettings:
     """The plain, picklable settings of a run, from the parsed options. A `vllm:` server's run
     has one loop, the cached one: a server keeps its KV cache."""
     engine = f"hf:{args.model}" if args.model else args.engine
+    served = str(engine).strip().startswith("vllm:")
     return RunSettings(
         engine=engine,
-        loops=("cached",) if str(engine).strip().startswith("vllm:") else LOOPS,
+        loops=("cached",) if served else LOOP_CHOICES[getattr(args, "loops", "both")],
         device=args.device,
         tokens=args.tokens or (LESSON_TOKENS if args.lesson else default_tokens),
         prompt=argv_text(args.prompt),  # bytes that were not UTF-8 become U+FFFD
@@ -348,4 +395,17 @@ def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSett
         kv_block_tokens=args.kv_block,
         gpu_memory_utilization=args.gpu_memory_utilization,
         batch=getattr(args, "batch", 1),  # bench's --batch is a list (`batches`): one run each
+        kv_cache_dtype=args.kv_cache_dtype,
+        kv_window=args.kv_window,
+        kv_sinks=args.kv_sinks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_heads=args.kv_heads,
     )
+
+
+LOOP_CHOICES: dict[str, tuple[Loop, ...]] = {
+    "both": LOOPS,
+    "cached": ("cached",),
+    "uncached": ("uncached",),
+}
+"""`kvtui bench --loops`: which loops run."""

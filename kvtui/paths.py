@@ -27,3 +27,8 @@ TINY_NAME = "tiny-austen"
 """The shipped model's name: the default engine `tiny` runs it, and the catalog lists its shape."""
 TINY_WEIGHTS = f"{TINY_NAME}.safetensors"
 """The shipped model's file in assets/ (kvtui.gpu.load reads it)."""
+HELDOUT_TEXT = "austen-heldout.txt"
+"""4,024 bytes of held-out Austen in assets/ (its origin: assets/austen-heldout.md), on which a
+KV-cache trick's cost in quality is measured when the whole held-out split is not installed."""
+HELDOUT_BYTES = 4024
+"""Its size: the most `--quality-bytes` takes."""

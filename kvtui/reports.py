@@ -24,6 +24,7 @@ from kvtui.sim.budget import budget
 from kvtui.sim.catalog import dtype_names, get_gpu, get_model, gpu_names, model_names
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes_per_token
+from kvtui.sim.tricks import KV_CACHE_DTYPES, KVLayout
 from kvtui.sim.work import cached_step_positions, work_summary
 
 # --- output helpers ------------------------------------------------------------------------------
@@ -91,6 +92,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
     spec = model_from_hf_config(args.config) if args.config else get_model(args.model)
     gpu = get_gpu(args.gpu)
+    if args.kv_cache_dtype is not None:  # vLLM's flag: auto is the weights' dtype
+        args.kv_dtype = KVLayout(cache_dtype=args.kv_cache_dtype).storage_dtype(args.weights_dtype)
     problem = tensor_parallel_problem(spec, args.tp)
     if problem is not None:
         raise UsageError(f"kvtui budget: error: argument --tp: {problem}")
@@ -292,7 +295,15 @@ def add_budget(subparsers: Any) -> None:
         help=f"sequences held at once (default 1, at most {MAX_BATCH:,})",
     )
     dtypes = ", ".join(dtype_names())
-    p.add_argument("--kv-dtype", type=dtype_arg, default="bf16", help=f"KV cache: {dtypes}")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-dtype", type=dtype_arg, default="bf16", help=f"KV cache: {dtypes}")
+    kv.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=None,
+        help="the KV cache as vLLM's flag says: auto (the weights' dtype), fp8, or int8 (codes "
+        "and an fp16 scale per token and head, counted)",
+    )
     p.add_argument("--weights-dtype", type=dtype_arg, default="bf16", help=f"weights: {dtypes}")
     from kvtui.sim.parallel import MAX_TENSOR_PARALLEL
     from kvtui.sim.pool import DEFAULT_BLOCK_SIZE, DEFAULT_GPU_MEMORY_UTILIZATION

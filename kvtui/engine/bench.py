@@ -30,11 +30,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, runtime_checkable
 
 from kvtui.engine.protocol import (
     EngineError,
     Event,
+    Loop,
     RunFailed,
     RunFinished,
     RunSettings,
@@ -53,9 +54,22 @@ from kvtui.format import (
     format_ratio,
     safe_text,
 )
+from kvtui.sim.pool import KVPool
+from kvtui.sim.tricks import QUALITY_BYTES, tokens_before_full
 
 MAX_TEXT_CHARS = 65_536
 """The most generated text a summary keeps (its table shows the first 200 characters)."""
+SPEED_STEPS = 256
+"""Steps after the first over which `tpot_first_steps_s` is taken: the same steps for runs that
+stop at different lengths (a step reads more cache the longer the run)."""
+
+
+@runtime_checkable
+class MeasuresQuality(Protocol):
+    """An engine that can say what its KV-cache layout costs in quality (kvtui's own decoder on
+    its byte-level model); the others report none."""
+
+    def measure_quality(self, loop: Loop, text_bytes: int) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -65,6 +79,8 @@ class _Collected:
     run: RunSummary = field(default_factory=RunSummary)
     text: dict[str, list[str]] = field(default_factory=lambda: {"cached": [], "uncached": []})
     text_chars: dict[str, int] = field(default_factory=lambda: {"cached": 0, "uncached": 0})
+    quality: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    """Per loop, what its cache layout costs in quality (kvtui.gpu.quality), where measured."""
 
     def add_text(self, s: StepSample) -> None:
         done = self.text_chars[s.loop]
@@ -99,6 +115,7 @@ def loop_stats(steps: LoopSummary) -> dict[str, Any]:
         "ms_per_position": _ms(steps.seconds_per_position),
         "ttft_s": steps.ttft_s,
         "tpot_s": steps.tpot_s,
+        "tpot_first_steps_s": steps.tpot_over(SPEED_STEPS),
         "first_step_positions_per_s": steps.first_step_positions_per_s,
         "later_step_positions_per_s": steps.later_step_positions_per_s,
         "flops_counted": steps.flops_counted,
@@ -120,6 +137,20 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
         started.kv_block_tokens * started.kv_bytes_per_token if started.kv_block_tokens else None
     )
     last_q = (stats_c["step_ms_last_quartile"], stats_u["step_ms_last_quartile"])
+    layout = started.layout
+    per_position = cached.finished.kv_bytes_per_position if cached.finished else None
+    stop: int | None = None
+    if started.kv_capacity_bytes is not None and started.kv_block_tokens:
+        pool = KVPool(
+            started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
+        )
+        stop = tokens_before_full(pool, layout, started.prompt_tokens, started.batch)
+    kv_c = {
+        "kv_bytes_per_token": per_position,
+        "kv_bytes_per_token_formula": started.kv_bytes_per_token if cached.steps else None,
+        "tokens_before_full_predicted": stop,
+    }
+    kv_u = dict.fromkeys(kv_c)
     summary: dict[str, Any] = _finite(
         {
             "engine": settings.engine,
@@ -138,8 +169,20 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "identical": run.identical,
             "compared_tokens": run.compared_steps,
             "first_divergence": run.first_divergence,
-            "cached": {**stats_c, "finished": _finished(cached.finished)},
-            "uncached": {**stats_u, "finished": _finished(uncached.finished)},
+            "cached": {
+                **stats_c,
+                **kv_c,
+                "finished": _finished(cached.finished),
+                "quality": c.quality.get("cached"),
+            },
+            "uncached": {
+                **stats_u,
+                **kv_u,
+                "finished": _finished(uncached.finished),
+                "quality": c.quality.get("uncached"),
+            },
+            "kv_layout": {**layout.to_json(), "words": layout.words()},
+            "kv_heads_model": started.kv_heads_model,
             "speedup_wall": run.wall_speedup(),
             "last_quartile_ratio": last_q[1] / last_q[0] if all(last_q) else None,
             "work_cached": None if started.served_by else cached.positions_computed,
@@ -238,10 +281,15 @@ def run_bench(
     record: Path | None = None,
     force: bool = False,
     progress: Callable[[str], None] = lambda line: None,
+    quality_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Run both loops, cached first; return the summary. `EngineError` for a bad engine, a run
     that produced no step, or a record that cannot be written (`RecordError`); Ctrl-C ends the
-    run with its record, if any, whole (`Interrupted`)."""
+    run with its record, if any, whole (`Interrupted`). `quality_bytes`: each loop's cost in
+    quality on that many bytes of held-out text, where the engine measures it (default:
+    QUALITY_BYTES when the run keeps a KV-cache trick, none without; 0: none)."""
+    if quality_bytes is None:
+        quality_bytes = 0 if settings.layout.is_plain else QUALITY_BYTES
     settings = _cached_first(settings)
     check_run(settings)  # a run that cannot start (no CUDA) is said before a file is made
     recording = RecordFile(record, force) if record else None  # a bad target costs no load
@@ -266,6 +314,10 @@ def run_bench(
                 started = collected.run.started
                 assert started is not None  # run_events sends it before any step
                 progress(f"{event.loop}: {event.step + 1}/{started.tokens} tokens")
+        if quality_bytes and isinstance(engine, MeasuresQuality):
+            for loop in settings.loops:
+                progress(f"{loop}: quality on {quality_bytes:,} bytes of held-out text")
+                collected.quality[loop] = engine.measure_quality(loop, quality_bytes)
     except KeyboardInterrupt:
         steps = sum(collected.steps(loop) for loop in collected.run.loops)
         if recording and steps:
@@ -502,6 +554,48 @@ def _served_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _trick_lines(r: dict[str, Any]) -> list[str]:
+    """The KV-cache layout's lines: its bytes per token measured against the formula, where the
+    pool stops it, and what each loop's cache costs in quality."""
+    lines = []
+    layout, cached = r["kv_layout"]["words"], r["cached"]
+    measured, formula = cached["kv_bytes_per_token"], cached["kv_bytes_per_token_formula"]
+    if measured is not None and formula is not None:
+        verdict = "= formula" if measured == formula else f"formula {format_int(formula)}"
+        lines.append(
+            f"  KV cache ({layout}): {format_int(measured)} bytes per token measured from its "
+            f"tensors, {verdict}"
+        )
+    if r["kv_heads_model"] is not None:
+        lines.append(
+            f"  key/value heads: the model's {r['kv_heads_model']} averaged into "
+            f"{r['kv_layout']['kv_heads']} (no retraining)"
+        )
+    stop = cached["tokens_before_full_predicted"]
+    finished = cached["finished"]
+    if finished is not None and finished["reason"] == "out_of_memory":
+        lines.append(
+            f"  the cached loop stopped at {format_int(finished['steps'])} tokens (measured); "
+            f"predicted {format_int(stop) if stop is not None else 'never'}"
+        )
+    for loop in ("cached", "uncached"):
+        q = r[loop]["quality"]
+        if q is None:
+            continue
+        first = q["first_divergence"]
+        differ = (
+            f"greedy tokens first differ at step {first + 1:,}"
+            if first is not None
+            else f"greedy tokens the same over {q['greedy_tokens']:,}"
+        )
+        lines.append(
+            f"  quality ({loop}, measured on {format_int(q['positions'])} held-out positions): "
+            f"{q['nats_per_byte']:.4f} nats/byte vs {q['nats_per_byte_baseline']:.4f} "
+            f"without; KL {q['kl']:.5f}; top-1 agreement {q['top1_agreement']:.1%}; {differ}"
+        )
+    return lines
+
+
 def _flops_lines(r: dict[str, Any]) -> list[str]:
     """Per loop, the FLOPs torch counted on the sampled steps against the formula's for them
     (none for an engine that counts none: `sim:`, `replay:` of one)."""
@@ -591,7 +685,7 @@ def format_table(r: dict[str, Any]) -> str:
             f"  speedup: {format_ratio(r['speedup_wall'])} {r['timing']}, "
             f"{format_ratio(r['work_ratio'])} in positions computed"
         )
-    lines += _served_lines(r) if r["served_by"] else _kv_lines(r)
+    lines += _served_lines(r) if r["served_by"] else _kv_lines(r) + _trick_lines(r)
     if r["achieved_bandwidth_bytes_per_s"]:
         peak = r["peak_bandwidth_bytes_per_s"]
         lines.append(

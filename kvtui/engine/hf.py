@@ -295,6 +295,10 @@ class HFCache:
     def kv_bytes_allocated(self) -> int:
         return cache_bytes(self.cache)
 
+    def kv_bytes_per_position(self) -> int | None:
+        """Not reported: transformers' cache is measured as a whole (`cache_bytes`)."""
+        return None
+
     def replay_flops(self, call: Callable[[], Tensor], start: int) -> int | None:
         """A step again, each layer's own count of its length (transformers 5's
         `cumulative_length`) set back to `start` for it and put back after; None where a layer

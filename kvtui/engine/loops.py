@@ -143,6 +143,11 @@ class CachedModel(Protocol):
         """Bytes of the cache's storage taken so far, measured from its tensors."""
         ...
 
+    def kv_bytes_per_position(self) -> int | None:
+        """Bytes of one position of one sequence, every layer, measured from the cache's
+        tensors (codes and scales); None where the cache does not say."""
+        ...
+
     def replay_flops(self, call: Callable[[], Tensor], start: int) -> int | None:
         """The FLOPs of a step's call (whose new positions begin at `start`) run once more,
         leaving the cache as the step left it (the same keys and values written over
@@ -266,6 +271,10 @@ class DecoderCache:
     def kv_bytes_allocated(self) -> int:
         assert self.model.kv is not None
         return self.model.kv.allocated_bytes
+
+    def kv_bytes_per_position(self) -> int | None:
+        assert self.model.kv is not None
+        return self.model.kv.bytes_per_position
 
     def replay_flops(self, call: Call, start: int) -> int | None:
         """A step again: `reserve` takes no block twice and the writes land where they did."""

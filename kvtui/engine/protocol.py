@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
 from kvtui.engine.attention import check_attention
+from kvtui.sim.tricks import KVLayout
 
 Loop = Literal["cached", "uncached"]
 LOOPS: tuple[Loop, ...] = ("uncached", "cached")
@@ -94,6 +95,27 @@ class RunSettings:
     """Sequences decoded together (`--batch`), 1 to MAX_RUN_BATCH: the same prompt in every row,
     row r sampling with seed `seed + r` (so greedy rows are equal), all through one model call per
     step and one KV pool."""
+    kv_cache_dtype: str = "auto"
+    """`--kv-cache-dtype` (vLLM's): auto (the model's dtype), fp8 or int8 (kvtui.sim.tricks)."""
+    kv_window: int | None = None
+    """`--kv-window`: positions kept per sequence, sinks included (StreamingLLM); None: all."""
+    kv_sinks: int = 0
+    """`--kv-sinks`: the first positions a window always keeps."""
+    enable_prefix_caching: bool = False
+    """`--enable-prefix-caching` (vLLM's): full prompt blocks another sequence holds are shared."""
+    kv_heads: int | None = None
+    """`--kv-heads`: average the model's key/value heads into this many (1: multi-query)."""
+
+    @property
+    def layout(self) -> KVLayout:
+        """How the run keeps its KV cache (kvtui.sim.tricks.KVLayout)."""
+        return KVLayout(
+            cache_dtype=self.kv_cache_dtype,
+            window=self.kv_window,
+            sinks=self.kv_sinks,
+            prefix_caching=self.enable_prefix_caching,
+            kv_heads=self.kv_heads,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "loops": list(self.loops)}
@@ -123,7 +145,11 @@ class RunSettings:
                 f"run settings: gpu_memory_utilization must be above 0 and at most 1, not "
                 f"{utilization}"
             )
-        return cls(**values)
+        settings = cls(**values)
+        problem = settings.layout.problem()
+        if problem:
+            raise ValueError(f"run settings: {problem}")
+        return settings
 
 
 @dataclass(frozen=True)
@@ -193,6 +219,19 @@ class RunStarted:
     (kvtui.engine.attention); None where the engine does not observe attention."""
     attention_heads: int | None = None
     """The query heads of that layer the attention is the mean of."""
+    kv_cache_dtype: str = "auto"
+    """What the cached loop's cache stores (kvtui.sim.tricks): auto (the model's dtype), fp8 or
+    int8; `kv_bytes_per_token` counts its codes and scales."""
+    kv_window: int | None = None
+    """Positions the cached loop keeps per sequence (a window, sinks included); None: all."""
+    kv_sinks: int = 0
+    prefix_caching: bool = False
+    """Whether the batch's sequences share full blocks of their prompt."""
+    kv_shared_tokens: int = 0
+    """Prompt positions each sequence after the first shares rather than holds (prefix caching:
+    whole blocks, never the last prompt token)."""
+    kv_heads_model: int | None = None
+    """The model's own key/value heads where the run averaged them (`kv_heads` is what runs)."""
     kind: str = field(default="started", init=False)
 
     def __post_init__(self) -> None:
@@ -202,6 +241,18 @@ class RunStarted:
                 f"started event: {len(self.prompt_pieces)} prompt pieces for "
                 f"{self.prompt_tokens} prompt tokens"
             )
+
+    @property
+    def layout(self) -> KVLayout:
+        """How the cached loop keeps its cache (fewer heads: `kv_heads` against
+        `kv_heads_model`)."""
+        return KVLayout(
+            cache_dtype=self.kv_cache_dtype,
+            window=self.kv_window,
+            sinks=self.kv_sinks,
+            prefix_caching=self.prefix_caching,
+            kv_heads=self.kv_heads if self.kv_heads_model is not None else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -277,6 +328,9 @@ class RunFinished:
     measured from the tensors: whole blocks of the pool, or an engine's own buffers."""
     kv_bytes_filled: int | None = None
     """Bytes of keys and values of the positions it had written by then, every sequence's."""
+    kv_bytes_per_position: int | None = None
+    """Keys and values of one position of one sequence, every layer, measured from the cache's
+    tensors (codes and scales: their bytes over their slots); None without a cache."""
     kind: str = field(default="finished", init=False)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtui.engine.protocol import (
     EngineError,
@@ -45,9 +45,20 @@ from kvtui.sim.catalog import (
     get_model,
     serving_dtypes,
 )
-from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, kv_bytes_per_token, weights_bytes
+from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes, weights_bytes
 from kvtui.sim.parallel import shard, tensor_parallel_problem, tensor_parallel_sizes
 from kvtui.sim.pool import KVPool, kv_capacity
+from kvtui.sim.tricks import (
+    KVLayout,
+    blocks_held,
+    full_message,
+    layout_bytes_per_token,
+    layout_step_cost,
+    positions_held,
+    shared_prefix_tokens,
+    tokens_before_full,
+    with_kv_heads,
+)
 from kvtui.sim.work import step_cost, tensor_parallel_step_seconds
 from kvtui.text import Utf8Stream, encode_bytes
 
@@ -80,10 +91,20 @@ class SimEngine:
     pool_source: str = field(init=False)
     room_bytes: int = field(init=False)
     """What vLLM's rule leaves each GPU for a KV cache (negative when the weights take more)."""
+    layout: KVLayout = field(init=False)
+    """How the cached loop keeps its cache (kvtui.sim.tricks), modelled: a smaller element, a
+    window, shared prefixes; fewer key/value heads have already changed `model`."""
+    kv_heads_model: int | None = field(init=False, default=None)
+    """The catalog model's key/value heads where `--kv-heads` averaged them."""
 
     def __post_init__(self) -> None:
-        self.share = shard(self.model, self.gpus)
         s = self.settings
+        self.layout = replace(s.layout, kv_heads=None)
+        if s.kv_heads is not None and s.kv_heads != self.model.kv_heads:
+            self.kv_heads_model = self.model.kv_heads
+            self.model = with_kv_heads(self.model, s.kv_heads)
+        self.kv_dtype = self.layout.storage_dtype(self.kv_dtype)  # auto: as a server keeps it
+        self.share = shard(self.model, self.gpus)
         self.room_bytes = self._room(self.gpus)
         if s.kv_budget_bytes is not None:
             capacity, self.pool_source = s.kv_budget_bytes, "--kv-budget"
@@ -93,7 +114,7 @@ class SimEngine:
                 f"modelled: {s.gpu_memory_utilization:g} x {format_bytes(self.gpu.memory_bytes)}"
                 f" - weights - {format_bytes(RUNTIME_RESERVE_BYTES)} reserve"
             )
-        per_token = kv_bytes_per_token(self.share, self.kv_dtype)
+        per_token = layout_bytes_per_token(self.share, self.layout, self.kv_dtype)
         self.pool = KVPool(capacity, s.kv_block_tokens, per_token)
 
     def _room(self, gpus: int) -> int:
@@ -189,7 +210,7 @@ class SimEngine:
             layers=m.layers,
             kv_heads=share.kv_heads,
             head_dim=m.head_dim,
-            kv_bytes_per_token=kv_bytes_per_token(share, self.kv_dtype),
+            kv_bytes_per_token=self.pool.kv_bytes_per_token,
             weights_bytes=weights_bytes(share, self.weights_dtype),
             prompt_tokens=self.prompt_tokens,
             tokens=self.settings.tokens,
@@ -210,6 +231,12 @@ class SimEngine:
                 "utf-8", errors="replace"
             ),
             prompt_pieces=self._prompt_pieces(),
+            kv_cache_dtype=self.layout.cache_dtype,
+            kv_window=self.layout.window,
+            kv_sinks=self.layout.sinks,
+            prefix_caching=self.layout.prefix_caching,
+            kv_shared_tokens=self.shared_tokens,
+            kv_heads_model=self.kv_heads_model,
         )
 
     def _prompt_pieces(self) -> tuple[str, ...]:
@@ -219,30 +246,45 @@ class SimEngine:
             stream.push(b) for b in encode_bytes(self.settings.prompt)[: self.prompt_tokens]
         )
 
+    @property
+    def shared_tokens(self) -> int:
+        """Prompt positions each later sequence shares (prefix caching, modelled)."""
+        s = self.settings
+        return shared_prefix_tokens(self.layout, self.prompt_tokens, s.kv_block_tokens, s.batch)
+
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
         m, P, pool = self.share, self.prompt_tokens, self.pool  # one GPU's part of the model
         B, wd, kd = self.settings.batch, self.weights_dtype, self.kv_dtype
         text = Utf8Stream()
         passage = PASSAGE.encode("utf-8")
         weights = weights_bytes(m, wd)
-        room = pool.tokens_before_full(P, B) if loop == "cached" else self.settings.tokens
+        layout, shared, bt = self.layout, self.shared_tokens, pool.block_tokens
+        room: int | None = self.settings.tokens
+        if loop == "cached":
+            room = tokens_before_full(pool, layout, P, B)
         held = allocated = 0
         for i in range(self.settings.tokens):
             context = P + i  # keys and values held once this step is done, per sequence
-            if i >= room:  # this step would cache a position the pool has no block for
-                yield RunFinished(
+            if room is not None and i >= room:  # this step would cache a position the pool
+                yield RunFinished(  # has no block for
                     loop,
                     "out_of_memory",
                     i,
-                    pool.full_message(P, B),
+                    full_message(pool, layout, P, B),
                     kv_bytes_allocated=allocated,
                     kv_bytes_filled=held,
                 )
                 return
-            cost = step_cost(m, loop == "cached", i, P, B, wd, kd)
-            if loop == "cached":
-                held = kv_bytes(m, context, B, kd)
-                allocated = pool.blocks_for(context, B) * pool.block_bytes
+            if layout.window is None and not shared:  # every position held, by each sequence
+                cost = step_cost(m, loop == "cached", i, P, B, wd, kd)
+                if loop == "cached":
+                    held = kv_bytes(m, context, B, kd)
+                    allocated = pool.blocks_for(context, B) * pool.block_bytes
+            else:  # a window, or blocks shared: what the layout holds (kvtui.sim.tricks)
+                cost = layout_step_cost(m, layout, loop == "cached", i, P, B, wd, bt)
+                if loop == "cached":
+                    held = positions_held(layout, context, B, shared) * pool.kv_bytes_per_token
+                    allocated = blocks_held(layout, context, B, bt, shared) * pool.block_bytes
             computed = cost.positions // B  # per sequence
             flops, read = cost.flops, cost.bytes_read
             seconds = tensor_parallel_step_seconds(

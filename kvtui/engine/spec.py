@@ -201,21 +201,29 @@ def prompt_positions(settings: RunSettings) -> int:
         ) from None
 
 
-def tiny_positions() -> int:
-    """The shipped model's positions, from the config in its safetensors metadata (read without
-    torch: the header only)."""
+def _tiny_config() -> dict[str, object]:
+    """The shipped model's config from its safetensors metadata (read without torch: the header
+    only); empty when the file is missing (the engine then makes the default shape)."""
     from kvtui.inputs import InputError, parse_json, safetensors_header
     from kvtui.paths import TINY_WEIGHTS, asset_path
 
     path = asset_path(TINY_WEIGHTS)
     if not path.exists():
-        return TINY_POSITIONS
+        return {}
     try:
         metadata = safetensors_header(path).get("__metadata__") or {}
         config = parse_json(metadata.get("config", "{}"))
     except (InputError, ValueError) as exc:
         raise EngineError(f"the shipped model is damaged ({exc}); reinstall kvtui") from None
-    positions = config.get("max_positions", TINY_POSITIONS) if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise EngineError("the shipped model is damaged (no max_positions); reinstall kvtui")
+    return config
+
+
+def tiny_positions() -> int:
+    """The shipped model's positions, from the config in its safetensors metadata."""
+    config = _tiny_config()
+    positions = config.get("max_positions", TINY_POSITIONS)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
         raise EngineError("the shipped model is damaged (no max_positions); reinstall kvtui")
     return positions
@@ -236,6 +244,78 @@ def model_positions(spec: EngineSpec) -> tuple[str, int] | None:
             raise EngineError(str(exc)) from None
         return model.name, model.max_context
     return None
+
+
+TINY_KV_HEADS = 2
+"""The tiny model's key/value heads when its file is missing (kvtui.gpu.model.ModelArgs')."""
+
+
+def model_kv_heads(spec: EngineSpec) -> int | None:
+    """The key/value heads of the model a `tiny`, `shape:` or `sim:` engine runs (None for an
+    MLA model, which caches a latent, or for another engine)."""
+    if spec.kind == "tiny":
+        heads = _tiny_config().get("n_kv_head", TINY_KV_HEADS)
+        return heads if isinstance(heads, int) and not isinstance(heads, bool) else None
+    if spec.kind in ("shape", "sim") and spec.model:
+        from kvtui.sim.catalog import UnknownNameError, get_model
+
+        try:
+            model = get_model(spec.model)
+        except UnknownNameError as exc:
+            raise EngineError(str(exc)) from None
+        return None if model.is_mla else model.kv_heads
+    return None
+
+
+def layout_flags(settings: RunSettings) -> str:
+    """The KV-cache flags a run was given, as typed: "--kv-cache-dtype fp8 --kv-window 256"."""
+    layout = settings.layout
+    flags = []
+    if layout.cache_dtype != "auto":
+        flags.append(f"--kv-cache-dtype {layout.cache_dtype}")
+    if layout.window is not None:
+        flags.append(f"--kv-window {layout.window}")
+    if layout.sinks:
+        flags.append(f"--kv-sinks {layout.sinks}")
+    if layout.prefix_caching:
+        flags.append("--enable-prefix-caching")
+    if layout.kv_heads is not None:
+        flags.append(f"--kv-heads {layout.kv_heads}")
+    return " ".join(flags)
+
+
+def check_layout(settings: RunSettings, spec: EngineSpec) -> None:
+    """Refuse a KV-cache layout (kvtui.sim.tricks) the engine cannot run, in one line: any on an
+    engine that keeps its own cache or replays one; a layout that makes no sense (sinks without
+    a window, more heads than the model has, a window with shared prefixes); a prompt longer
+    than its window (a window holds the prompt whole)."""
+    layout = settings.layout
+    if layout.is_plain:
+        return
+    if spec.kind not in ("tiny", "shape", "sim"):
+        why = {
+            "hf": "transformers keeps its own cache there",
+            "replay": "a replay shows the run as it was recorded",
+        }.get(spec.kind, "it keeps its own cache")
+        raise EngineError(
+            f"{layout_flags(settings)}: kvtui's own engines (tiny, shape:, sim:) keep these "
+            f"caches, not {spec.kind}: ({why})"
+        )
+    heads = model_kv_heads(spec)
+    if layout.kv_heads is not None and heads is None:
+        raise EngineError(
+            f"--kv-heads: {spec.model} caches a latent (MLA), not key/value heads to average"
+        )
+    problem = layout.problem(heads)
+    if problem:
+        raise EngineError(problem)
+    if layout.window is not None:
+        prompt = prompt_positions(settings)
+        if prompt > layout.window:
+            raise EngineError(
+                f"the prompt's {prompt:,} positions do not fit in --kv-window {layout.window:,}: "
+                "a window holds the prompt whole (a longer window, or a shorter prompt)"
+            )
 
 
 def check_run(settings: RunSettings) -> EngineSpec:
@@ -273,10 +353,25 @@ def check_run(settings: RunSettings) -> EngineSpec:
                 "vllm": " the server sized its own cache (--kv-cache-memory-bytes is vLLM's)",
             }[spec.kind]
         )
+    check_layout(settings, spec)
     known = model_positions(spec)
     if known is not None:
         label, limit = known
-        check_positions(label, prompt_positions(settings), settings.tokens, limit)
+        window = settings.kv_window
+        if window is not None and window > limit:
+            raise EngineError(
+                f"--kv-window {window:,} is past {label}'s {limit:,} positions: a window's "
+                "positions are counted within it, and RoPE has no angle past the model's"
+            )
+        if window is None or "uncached" in settings.loops:
+            try:
+                check_positions(label, prompt_positions(settings), settings.tokens, limit)
+            except EngineError as exc:
+                if window is None:
+                    raise
+                raise EngineError(
+                    f"{exc}: the uncached loop keeps no window (--loops cached goes on past it)"
+                ) from None
     return spec
 
 

@@ -41,6 +41,7 @@ from kvtui.sim.catalog import ModelSpec, get_model
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
 from kvtui.sim.parallel import shard
+from kvtui.sim.tricks import positions_held
 
 RECENT_STEPS = 64
 """Later steps whose bandwidth `LoopSummary.recent_bandwidth_bytes_per_s` takes the median of."""
@@ -129,6 +130,13 @@ class LoopSummary:
         """Time per output token after the first: the later steps' mean (the whole batch's)."""
         later = self.steps - 1
         return (self.seconds_total - self.step_seconds[0]) / later if later > 0 else None
+
+    def tpot_over(self, steps: int) -> float | None:
+        """The mean time of the first `steps` steps after the first (all of them, if fewer): a
+        step's time grows with the context it reads, so runs of different lengths compare their
+        speed over the same steps."""
+        later = self.step_seconds[1 : steps + 1]
+        return sum(later) / len(later) if later else None
 
     @property
     def tokens_per_s_per_sequence(self) -> float | None:
@@ -345,6 +353,10 @@ class RunSummary:
         if loop != "cached" or started is None or trace.last is None or started.served_by:
             return None  # a served run's cache is the server's: kvtui holds none of it
         positions = trace.cached_positions
+        layout = started.layout
+        if not layout.paged_as_is:  # a window or shared blocks: the positions it holds
+            held = positions_held(layout, positions, started.batch, started.kv_shared_tokens)
+            return held * started.kv_bytes_per_token
         if self._kv_spec is not None:
             return kv_bytes(self._kv_spec, positions, started.batch, started.dtype)
         return started.batch * started.kv_bytes_per_token * positions

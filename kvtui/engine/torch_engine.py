@@ -17,7 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -52,15 +52,23 @@ from kvtui.gpu.load import (
     build_shape,
     load_tiny,
     parameter_bytes,
+    ready_to_decode,
     spec_from_args,
     tiny_stored_dtype,
     trained_context,
 )
 from kvtui.gpu.model import Transformer
+from kvtui.gpu.tricks import average_kv_heads, setup_layout_caches
 from kvtui.paths import TINY_NAME
 from kvtui.sim.catalog import ModelSpec, UnknownNameError, get_model
-from kvtui.sim.memory import kv_bytes_per_token
 from kvtui.sim.pool import CPU_KV_BUDGET_BYTES, KVPool, gpu_pool_bytes
+from kvtui.sim.tricks import (
+    KVLayout,
+    full_message,
+    layout_bytes_per_token,
+    layout_step_cost,
+    shared_prefix_tokens,
+)
 from kvtui.sim.work import step_cost
 from kvtui.text import Utf8Stream, encode_bytes
 
@@ -148,14 +156,31 @@ class TorchEngine(ABC):
     def free_cache(self) -> None:
         """Let go of the KV cache (and, on a GPU, hand its memory back)."""
 
+    kv_heads_model: int | None = None
+    """The model's own key/value heads where `--kv-heads` averaged them."""
+
     @property
     def dtype_name(self) -> str:
         return dtype_name(next(self.model.parameters()).dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """The formula's bytes a position adds to the cached loop's cache, in its layout
+        (kvtui.sim.tricks: codes and scales)."""
+        return layout_bytes_per_token(self.spec, self.settings.layout, self.dtype_name)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Prompt positions each later sequence shares (prefix caching), else 0."""
+        s = self.settings
+        P = self.prompt_ids().shape[1]
+        return shared_prefix_tokens(s.layout, P, s.kv_block_tokens, s.batch)
 
     def started(self) -> RunStarted:
         """What runs, and where: the model's shape, its measured weights, the device."""
         where, total, peak = describe_device(self.device)
         ridge, ridge_source = device_ridge(self.device, total)
+        layout = self.settings.layout
         return RunStarted(
             engine=self.settings.engine,
             model=self.label,
@@ -164,7 +189,7 @@ class TorchEngine(ABC):
             layers=self.spec.layers,
             kv_heads=self.spec.kv_heads,
             head_dim=self.spec.head_dim,
-            kv_bytes_per_token=kv_bytes_per_token(self.spec, self.dtype_name),
+            kv_bytes_per_token=self.kv_bytes_per_token,
             weights_bytes=parameter_bytes(self.model),
             prompt_tokens=self.prompt_ids().shape[1],
             tokens=self.settings.tokens,
@@ -185,6 +210,12 @@ class TorchEngine(ABC):
             prompt_pieces=self.prompt_pieces,
             attention_layer=self.attention_layer,
             attention_heads=self.attention_heads,
+            kv_cache_dtype=layout.cache_dtype,
+            kv_window=layout.window,
+            kv_sinks=layout.sinks,
+            prefix_caching=layout.prefix_caching,
+            kv_shared_tokens=self.shared_tokens,
+            kv_heads_model=self.kv_heads_model,
         )
 
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
@@ -192,18 +223,20 @@ class TorchEngine(ABC):
         B = s.batch
         prompt = self.prompt_ids().expand(B, -1)  # (B, P): the same prompt in every row
         P = prompt.shape[1]
-        if P + s.tokens > self.max_positions:
+        windowed = loop == "cached" and s.kv_window is not None  # positions counted in the window
+        if P + s.tokens > self.max_positions and not windowed:
             message = f"{P + s.tokens:,} positions is past the model's {self.max_positions:,}"
             yield RunFinished(loop, "error", 0, message)
             return
         sampling = Sampling(temperature=s.temperature, top_k=s.top_k, seed=s.seed, greedy=s.greedy)
         text = self.text_stream()
-        allocated = filled = None
+        allocated = filled = per_position = None
         done, stopped = 0, ""
         run: Generator[Step, None, None] | None = None
         try:
             if loop == "cached":
                 model = self.cached(P + s.tokens, B)
+                per_position = model.kv_bytes_per_position()
                 run = cached_loop(model, prompt, s.tokens, sampling, self.counter)
             else:
                 run = recompute_loop(self.recompute, prompt, s.tokens, sampling, self.counter)
@@ -223,7 +256,9 @@ class TorchEngine(ABC):
                 if loop == "uncached" and done % TRIM_EVERY_STEPS == 0:
                     trim_host_memory()  # between steps: never inside a timed one
         except KVCacheFull:
-            stopped = self.pool.full_message(P, B) if self.pool else "the KV cache is full"
+            stopped = (
+                full_message(self.pool, s.layout, P, B) if self.pool else "the KV cache is full"
+            )
         except torch.OutOfMemoryError:  # reported below, once the traceback no longer pins tensors
             stopped = f"out of memory at {P + done:,} tokens"
         finally:
@@ -235,7 +270,13 @@ class TorchEngine(ABC):
             trim_host_memory()  # after the loop, outside every timed step
         reason: Literal["out_of_memory", "done"] = "out_of_memory" if stopped else "done"
         yield RunFinished(
-            loop, reason, done, stopped, kv_bytes_allocated=allocated, kv_bytes_filled=filled
+            loop,
+            reason,
+            done,
+            stopped,
+            kv_bytes_allocated=allocated,
+            kv_bytes_filled=filled,
+            kv_bytes_per_position=per_position,
         )
 
     def newest_attention(self) -> Tensor | None:
@@ -277,11 +318,16 @@ class TorchEngine(ABC):
 
     def _sample(self, loop: Loop, step: Step, prompt_tokens: int, text: str) -> StepSample:
         """A measured step as the protocol's sample, beside the formula's FLOPs and bytes for the
-        whole batch (kvtui.sim.work.step_cost)."""
-        dtype, P = self.dtype_name, prompt_tokens
-        cost = step_cost(
-            self.spec, loop == "cached", step.index, P, self.settings.batch, dtype, dtype
-        )
+        whole batch (kvtui.sim.work.step_cost, in the run's cache layout: kvtui.sim.tricks)."""
+        s, dtype, P = self.settings, self.dtype_name, prompt_tokens
+        if s.layout.is_plain:
+            cost = step_cost(self.spec, loop == "cached", step.index, P, s.batch, dtype, dtype)
+        else:  # the model's heads are the run's already: the layout prices the cache
+            layout = replace(s.layout, kv_heads=None)
+            cached = loop == "cached"
+            cost = layout_step_cost(
+                self.spec, layout, cached, step.index, P, s.batch, dtype, s.kv_block_tokens
+            )
         on_gpu = self.device.type == "cuda"
         return StepSample(
             loop=loop,
@@ -328,9 +374,7 @@ class DecoderEngine(TorchEngine):
         self.max_positions = model.args.max_positions
         self.trained_positions = trained_positions
         self.counter = PositionCounter(model)
-        self.pool, self.pool_source = open_pool(
-            settings, device, kv_bytes_per_token(spec, self.dtype_name)
-        )
+        self.pool, self.pool_source = open_pool(settings, device, self.kv_bytes_per_token)
         ids = encode_bytes(settings.prompt)
         if not byte_level:  # random token ids, as many as the prompt has bytes
             gen = torch.Generator().manual_seed(settings.seed)
@@ -365,11 +409,43 @@ class DecoderEngine(TorchEngine):
         self.model.watch_layer = self.attention_layer if watching else None
         return super().steps(loop)
 
+    baseline: Transformer | None = None
+    """The model as shipped, where `--kv-heads` averaged its heads (the reference its quality
+    is measured against); None: `model` is the shipped one."""
+
+    def measure_quality(self, loop: Loop, text_bytes: int) -> dict[str, Any] | None:
+        """What this loop's cache layout costs in quality (kvtui.gpu.quality) on the first
+        `text_bytes` of the shipped held-out text: the cached loop keeps the run's layout, the
+        uncached loop none (its model, averaged heads and all, is what it costs). None for a
+        model whose tokens are not bytes of text (`shape:`, random weights)."""
+        if not self.byte_level:
+            return None
+        from kvtui.gpu.quality import heldout_ids, measure_quality
+
+        layout = self.settings.layout if loop == "cached" else KVLayout()
+        ids = heldout_ids(text_bytes, self.device)
+        baseline = self.baseline or self.model
+        words = f"the first {ids.shape[1]:,} bytes of held-out Austen (assets/austen-heldout.txt)"
+        return measure_quality(baseline, self.model, layout, ids, source=words).to_json()
+
     def cached(self, max_len: int, batch: int) -> CachedModel:
-        pool = self.pool
-        self.model.setup_caches(
-            batch=batch, max_len=max_len, block_tokens=pool.block_tokens, pool_blocks=pool.blocks
-        )
+        pool, layout = self.pool, self.settings.layout
+        if layout.paged_as_is:
+            self.model.setup_caches(
+                batch=batch,
+                max_len=max_len,
+                block_tokens=pool.block_tokens,
+                pool_blocks=pool.blocks,
+            )
+        else:  # a smaller element, a window or shared prefixes (kvtui.gpu.tricks)
+            setup_layout_caches(
+                self.model,
+                batch,
+                max_len,
+                layout,
+                block_tokens=pool.block_tokens,
+                pool_blocks=pool.blocks,
+            )
         return DecoderCache(self.model)
 
     def recompute(self, ids: Tensor) -> Tensor:
@@ -394,17 +470,20 @@ def open_torch_engine(
     if model_name is None:
         dtype, why = run_dtype(device, tiny_stored_dtype())
         progress(f"loading {TINY_NAME}'s weights, timing the kernels")
-        model, meta = load_tiny(device, dtype, settings.seed)
+        shipped, meta = load_tiny(device, dtype, settings.seed)
         label = meta.get("name", TINY_NAME)
+        model, own_heads = _with_kv_heads(shipped, settings.kv_heads)
         spec = spec_from_args(label, model.args)
         trained = trained_context(meta)
         if not flop_counter_warm():
             progress(FLOP_COUNTER_PHRASE)
-        tiny = DecoderEngine(
+        engine = DecoderEngine(
             settings, model, spec, device, label, byte_level=True, trained_positions=trained
         )
-        tiny.dtype_source = why
-        return tiny
+        engine.dtype_source = why
+        engine.kv_heads_model = own_heads
+        engine.baseline = shipped if model is not shipped else None
+        return engine
     try:
         spec = get_model(model_name)
     except UnknownNameError as exc:
@@ -413,14 +492,28 @@ def open_torch_engine(
     context = len(encode_bytes(settings.prompt)) + settings.tokens
     progress(f"making {spec.name}'s random weights, timing the kernels")
     model = build_shape(spec, device, dtype, context, settings.seed, settings.batch)
+    model, own_heads = _with_kv_heads(model, settings.kv_heads)
     label = f"shape:{spec.name}"
     if not flop_counter_warm():
         progress(FLOP_COUNTER_PHRASE)
     # Priced as what runs: kvtui's decoder in that shape (its own parameters, every position
     # attended: no sliding window), not the catalog entry it was built from.
     ran = replace(spec_from_args(label, model.args), display_name=spec.label)
-    shape = DecoderEngine(
+    engine = DecoderEngine(
         settings, model, ran, device, label, byte_level=False, trained_positions=spec.max_context
     )
-    shape.dtype_source = why
-    return shape
+    engine.dtype_source = why
+    engine.kv_heads_model = own_heads
+    return engine
+
+
+def _with_kv_heads(model: Transformer, kv_heads: int | None) -> tuple[Transformer, int | None]:
+    """The model with its key/value heads averaged into `kv_heads` (`--kv-heads`), ready to
+    decode, and its own count of them; the model as it is, and None, without the flag."""
+    if kv_heads is None:
+        return model, None
+    own = model.args.n_kv_head
+    try:
+        return ready_to_decode(average_kv_heads(model, kv_heads)), own
+    except ValueError as exc:
+        raise EngineError(str(exc)) from None

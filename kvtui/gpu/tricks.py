@@ -53,6 +53,8 @@ the stored scale is never below absmax / 127, so no code clips."""
 INT8_SMALLEST_SCALE = 2**-14
 """fp16's smallest normal: the scale of an all-zero (or near-zero) vector."""
 SCALE_DTYPE = torch.float16
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+"""The value of each of the 256 fp8 (e4m3fn) codes, by its byte."""
 
 
 class Codec:
@@ -64,6 +66,11 @@ class Codec:
         """The storage's dtype: fp8 codes are kept as their bytes (`index_copy_` has no fp8 on a
         CPU)."""
         self.scaled = cache_dtype == "int8"
+        self._fp8_values = FP8_VALUES.to(dtype)
+
+    def to(self, device: torch.device | str) -> Codec:
+        self._fp8_values = self._fp8_values.to(device)
+        return self
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """Codes of `x` `(..., head_dim)`, and its scales `(..., 1)` (int8) or None."""
@@ -80,8 +87,9 @@ class Codec:
 
     def decode(self, codes: Tensor, scales: Tensor | None) -> Tensor:
         """The values `codes` (and `scales`) stand for, in the model's dtype."""
-        if self.cache_dtype == "fp8":
-            return codes.view(torch.float8_e4m3fn).to(self.dtype)
+        if self.cache_dtype == "fp8":  # each byte's value looked up: the same numbers as
+            # `.view(torch.float8_e4m3fn).to(dtype)`, 2.3x faster on a CPU (no fp8 unit there)
+            return torch.take(self._fp8_values, codes.long())
         if scales is not None:
             return codes.to(self.dtype) * scales.to(self.dtype)
         return codes
@@ -120,7 +128,7 @@ class LayoutKVCache:
                 "rotary positions"
             )
         self.layout, self.batch, self.block_tokens = layout, batch, block_tokens
-        self.codec = Codec(layout.cache_dtype, dtype)
+        self.codec = Codec(layout.cache_dtype, dtype).to(device)
         self.rotations = rotations
         """The model's RoPE table as complex numbers `(positions, 1, head_dim // 2)`."""
         self.keys_rotated_on_read = layout.window is not None
@@ -167,6 +175,12 @@ class LayoutKVCache:
         model's own observes)."""
         self._read_n = 0
         self.write_slots = self.read_slots = torch.zeros(0, dtype=torch.long, device=device)
+        self._slots = torch.zeros((batch, 0), dtype=torch.long, device=device)
+        """Slot of each position of each sequence, set as blocks are assigned (grown as the
+        sequences grow: a window's run may go on past any length)."""
+        self._first_rolling = [0] * batch
+        """Per sequence, the first logical block after the sinks' that the window has not yet
+        let go (it lets them go in order)."""
 
     @property
     def layers(self) -> Sequence[LayoutLayer]:
@@ -183,14 +197,40 @@ class LayoutKVCache:
         sinks = self.layout.sinks
         return torch.cat((torch.arange(sinks), torch.arange(end - (w - sinks), end)))
 
-    def _keeps_block(self, j: int, end: int) -> bool:
-        """Whether logical block j holds a position a window keeps after `end` positions."""
-        w, bt = self.layout.window, self.block_tokens
+    def _assign(self, row: int, j: int, block: int) -> None:
+        """Logical block j of sequence `row` is `block` (appended, or replacing a copy)."""
+        table, bt = self.tables[row], self.block_tokens
+        if j == len(table):
+            table.append(block)
+        else:
+            table[j] = block
+        if self._slots.shape[1] < (j + 1) * bt:  # grow the slot table, doubling
+            grown = torch.zeros(
+                (self.batch, max(2 * self._slots.shape[1], (j + 1) * bt)),
+                dtype=torch.long,
+                device=self._slots.device,
+            )
+            grown[:, : self._slots.shape[1]] = self._slots
+            self._slots = grown
+        first = block * bt
+        self._slots[row, j * bt : (j + 1) * bt] = torch.arange(
+            first, first + bt, device=self._slots.device
+        )
+
+    def _let_go(self, row: int, end: int) -> None:
+        """Give back the blocks of sequence `row` that hold no position a window keeps once
+        `end` positions are written: rolling blocks wholly before the window, in order."""
+        w, bt, sinks = self.layout.window, self.block_tokens, self.layout.sinks
         if w is None:
-            return True
-        first, last = j * bt, (j + 1) * bt - 1
-        sinks = self.layout.sinks
-        return first < sinks or last >= end - (w - sinks)
+            return
+        table = self.tables[row]
+        j = max(self._first_rolling[row], -(-sinks // bt))
+        while j < len(table) and (j + 1) * bt <= end - (w - sinks):
+            if table[j] >= 0:
+                self._release(table[j])
+                table[j] = -1
+            j += 1
+        self._first_rolling[row] = j
 
     def _release(self, block: int) -> None:
         self.refs[block] -= 1
@@ -216,11 +256,7 @@ class LayoutKVCache:
                 "after the first are one position each"
             )
         for row in rows:  # what the window no longer keeps goes back first
-            table = self.tables[row]
-            for j, block in enumerate(table):
-                if block >= 0 and not self._keeps_block(j, end):
-                    self._release(block)
-                    table[j] = -1
+            self._let_go(row, end)
         wanted = -(-end // bt)
         refs = list(self.refs)
         copies: list[tuple[int, int]] = []  # (row, logical block) appended to while shared
@@ -244,24 +280,26 @@ class LayoutKVCache:
                 layer.copy_block(old, block)
             self.refs[block], self.filled[block] = 1, self.filled[old]
             self._release(old)
-            self.tables[row][j] = block
+            self._assign(row, j, block)
         for row in rows:
             table = self.tables[row]
             while len(table) < wanted:
                 block = next(fresh)
                 self.refs[block], self.filled[block] = 1, 0
-                table.append(block)
+                self._assign(row, len(table), block)
             for j in range(start // bt, wanted):
                 if table[j] >= 0:
                     self.filled[table[j]] = max(self.filled[table[j]], min(end - j * bt, bt))
         self.length = max(self.length, end)
-        device = self.write_slots.device
-        tables = torch.tensor([self.tables[row][:wanted] for row in rows], device=device)
-        writes = torch.arange(start, end, device=device)
-        reads = self.kept(end).to(device)
-        self.write_slots = (tables[:, writes // bt] * bt + writes % bt).reshape(-1)
-        self.read_slots = (tables[:, reads // bt] * bt + reads % bt).reshape(-1)
-        self._read_n = reads.numel()
+        slots = self._slots if len(rows) == self.batch else self._slots[rows]
+        self.write_slots = slots[:, start:end].reshape(-1)
+        w = self.layout.window
+        if w is None or end <= w:
+            self.read_slots, self._read_n = slots[:, :end].reshape(-1), end
+        else:  # the sinks, then the latest w - sinks
+            sinks = self.layout.sinks
+            kept = (slots[:, :sinks], slots[:, end - (w - sinks) : end])
+            self.read_slots, self._read_n = torch.cat(kept, dim=1).reshape(-1), w
 
     def fork(self, source: int, target: int) -> None:
         """Sequence `target` (holding nothing) shares every block of `source`, its partial last
@@ -270,10 +308,12 @@ class LayoutKVCache:
         if self.tables[target]:
             raise ValueError(f"sequence {target} already holds blocks")
         for j, block in enumerate(self.tables[source]):
-            self.tables[target].append(block)
-            if block >= 0:
-                self.refs[block] += 1
-                self._logical[block] = j
+            if block < 0:
+                self.tables[target].append(block)
+                continue
+            self._assign(target, j, block)
+            self.refs[block] += 1
+            self._logical[block] = j
 
     # --- prefix caching ----------------------------------------------------------------------
 
@@ -305,16 +345,15 @@ class LayoutKVCache:
         fresh = iter(self.pool.take(sum(total - len(hits) for hits, _ in plans)))
         groups: dict[int, list[int]] = {}
         for row, (hits, own) in enumerate(plans):
-            table = self.tables[row]
             for j, digest in enumerate(hits):
                 block = self._by_hash[digest]
                 self.refs[block] += 1
                 self._logical[block] = j
-                table.append(block)
+                self._assign(row, j, block)
             for j in range(len(hits), total):
                 block = next(fresh)
                 self.refs[block], self.filled[block] = 1, 0
-                table.append(block)
+                self._assign(row, j, block)
                 if j in own:
                     self._by_hash[own[j]] = block
                     self._hash_of[block] = own[j]
@@ -365,6 +404,7 @@ class LayoutKVCache:
         self.rows = list(range(self.batch))
         self.length = 0
         self.prefix_plan = None
+        self._first_rolling = [0] * self.batch
 
 
 def block_hash(parent: bytes, tokens: list[int]) -> bytes:

@@ -30,6 +30,7 @@ from kvtui.engine.protocol import (
 from kvtui.engine.serving import ServerWatch
 from kvtui.engine.summary import LoopSummary, RunSummary
 from kvtui.sim.pool import KVPool
+from kvtui.sim.tricks import KVLayout, tokens_before_full
 from kvtui.widgets.cache_grid import CachePicture
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
@@ -188,11 +189,20 @@ class LivePool:
     def free_bytes(self) -> int:
         return self.pool.capacity_bytes - self.allocated_bytes
 
+    layout: KVLayout = KVLayout()
+    """How the cached loop keeps its cache (kvtui.sim.tricks): where it stops depends on it."""
+
+    @property
+    def tokens_before_full(self) -> int | None:
+        """Tokens the cached loop generates on this pool before it is full (predicted), in its
+        layout; None if it never fills (a window whose blocks it holds)."""
+        return tokens_before_full(self.pool, self.layout, self.prompt_tokens, self.batch)
+
     @property
     def stops_at(self) -> int | None:
         """The token the cached loop stops at on this pool (predicted), None if the run fits."""
-        room = self.pool.tokens_before_full(self.prompt_tokens, self.batch)
-        return room if room < self.run_tokens else None
+        room = self.tokens_before_full
+        return room if room is not None and room < self.run_tokens else None
 
 
 @dataclass(eq=False)
@@ -420,6 +430,7 @@ class LiveRun:
             if finished is not None and finished.reason == "out_of_memory"
             else "",
             freed=finished is not None,
+            layout=started.layout,
         )
 
     def piece(self, loop: Loop, position: int) -> str | None:

@@ -49,6 +49,7 @@ from kvtui.sim.catalog import (
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
 from kvtui.sim.parallel import shard
+from kvtui.sim.tricks import tokens_before_full
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.served import ServedCache
@@ -491,7 +492,7 @@ class MemoryScreen(LessonScreen):
             words.append(f"Stopped: {safe_text(live.full, one_line=True)}. ", style="bold")
             words.append(
                 f"Measured: {format_int(live.steps)} tokens, predicted "
-                f"{format_int(pool.tokens_before_full(P, live.batch))}; ] and r: a larger pool. "
+                f"{format_int(live.tokens_before_full or 0)}; ] and r: a larger pool. "
             )
         else:
             words.append(
@@ -511,10 +512,10 @@ class MemoryScreen(LessonScreen):
         changed = budget != pool.capacity_bytes or live.batch != B or self.length != live.run_tokens
         if changed and not self.run.replayed:  # a replay plays what was recorded, whatever r
             nxt = replace(pool, capacity_bytes=budget)
-            room = nxt.tokens_before_full(P, B)
+            room = tokens_before_full(nxt, live.layout, P, B)
             after = (
                 f"it stops after {format_int(room)} tokens"
-                if room < self.length
+                if room is not None and room < self.length
                 else f"{format_int(self.length)} tokens fit"
             )
             rows, each = (f", batch {B}", " each") if B > 1 else ("", "")

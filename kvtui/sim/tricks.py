@@ -44,6 +44,10 @@ from kvtui.sim.work import (
     uncached_step_flops,
 )
 
+QUALITY_BYTES = 1024
+"""Bytes of held-out text a trick's quality is measured on by default (`kvtui bench`,
+`kvtui tricks`): enough for a window of 256 to slide, a few seconds on a CPU."""
+
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 """`--kv-cache-dtype`: `auto` (the model's dtype), `fp8` (vLLM's choice) and `int8` (llama.cpp's
 q8_0 cache, or LMDeploy's int8 KV; not a vLLM choice)."""
@@ -218,6 +222,20 @@ def window_blocks_most(window: int, sinks: int, block_tokens: int) -> int:
     return max(window_blocks(n, window, sinks, block_tokens) for n in range(1, horizon + 1))
 
 
+def blocks_held(
+    layout: KVLayout, positions: int, batch: int, block_tokens: int, shared_tokens: int = 0
+) -> int:
+    """Blocks `batch` sequences of `positions` positions hold in this layout: a window's, the
+    shared prefix's once, or every sequence's own."""
+    if positions <= 0:
+        return 0
+    if layout.window is not None:
+        return batch * window_blocks(positions, layout.window, layout.sinks, block_tokens)
+    each = -(-positions // block_tokens)
+    shared = min(shared_tokens // block_tokens, each)
+    return shared + batch * (each - shared)
+
+
 def tokens_before_full(
     pool: KVPool, layout: KVLayout, prompt_tokens: int, batch: int = 1
 ) -> int | None:
@@ -253,8 +271,8 @@ def full_message(pool: KVPool, layout: KVLayout, prompt_tokens: int, batch: int 
     ):
         return pool.full_message(prompt_tokens, batch)
     stop = tokens_before_full(pool, layout, prompt_tokens, batch)
-    at = "" if stop is None else f" at token {format_int(stop + 1)}"
-    per = f" ({batch} sequences)" if batch > 1 else ""
+    at = "" if stop is None else f" at token {format_int(prompt_tokens + stop - 1)}"
+    per = f" per sequence ({batch} decoded together)" if batch > 1 else ""
     return (
         f"the KV cache is full{at}{per}: {format_bytes(pool.capacity_bytes)} holds "
         f"{format_int(pool.blocks)} blocks of {pool.block_tokens} tokens of "

@@ -1,0 +1,224 @@
+"""The tricks through the engines and headless: each layout's cached loop stops where its own
+C - P + 1 says under the same --kv-budget, its bytes per token measured equal the formula's, the
+run says what it kept (RunStarted), `kvtui bench` reports it per loop with its quality, and the
+`sim:` engine models the same tricks on catalog models."""
+
+import json
+
+import pytest
+
+from kvtui.cli import main
+from kvtui.engine.protocol import (
+    EngineError,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    StepSample,
+    event_from_json,
+    run_events,
+    to_json,
+)
+from kvtui.engine.spec import check_run, open_engine
+from kvtui.engine.summary import summarize_events
+from kvtui.sim.pool import KVPool
+from kvtui.sim.tricks import KVLayout, tokens_before_full
+
+TINY_PER_TOKEN = 3072
+PROMPT = "It is a truth universally acknowledged, that"  # 44 bytes
+
+
+def tiny(**settings) -> RunSettings:
+    return RunSettings(engine="tiny", device="cpu", loops=("cached",), greedy=True, **settings)
+
+
+@pytest.mark.parametrize(
+    ("tricks", "budget", "block", "prompt", "batch", "per_token"),
+    [
+        ({"kv_cache_dtype": "fp8"}, 48 * 1024, 16, "a", 1, 768),  # 4 blocks: 64 tokens
+        ({"kv_cache_dtype": "int8"}, 48 * 1024, 16, "a", 1, 816),  # 3 blocks: 48
+        ({"kv_heads": 1}, 48 * 1024, 16, "a", 1, 1536),  # 2 blocks: 32
+        ({"kv_window": 20, "kv_sinks": 4}, 48 * 1024, 4, "a", 1, 3072),  # the window outgrows 4
+        ({"enable_prefix_caching": True}, 12 * 16 * 3072, 16, PROMPT, 4, 3072),  # 2 shared
+        ({}, 12 * 16 * 3072, 16, PROMPT, 4, 3072),  # the same batch without: 3 blocks each
+    ],
+    ids=["fp8", "int8", "mqa", "window", "prefix", "plain-batch"],
+)
+def test_each_trick_stops_where_its_pool_predicts(tricks, budget, block, prompt, batch, per_token):
+    settings = tiny(
+        tokens=80,
+        kv_budget_bytes=budget,
+        kv_block_tokens=block,
+        prompt=prompt,
+        batch=batch,
+        **tricks,
+    )
+    engine = open_engine(settings)
+    started = engine.started()
+    assert started.kv_bytes_per_token == per_token  # the formula, codes and scales
+    events = list(engine.steps("cached"))
+    steps = [e for e in events if isinstance(e, StepSample)]
+    finished = events[-1]
+    P = len(prompt.encode())
+    pool = KVPool(budget, block, per_token)
+    predicted = tokens_before_full(pool, settings.layout, P, batch)
+    assert isinstance(finished, RunFinished) and finished.reason == "out_of_memory"
+    assert finished.steps == len(steps) == predicted
+    assert finished.kv_bytes_per_position == per_token  # measured from the tensors
+    if tricks.get("enable_prefix_caching"):
+        assert started.kv_shared_tokens == 32 and predicted == 21  # against 5 without sharing
+        assert steps[0].positions_computed == 44 + 3 * 12  # the partial block, computed by each
+    if not tricks:
+        assert predicted == 5
+
+
+def test_a_window_the_pool_holds_never_stops_and_its_memory_is_flat():
+    settings = tiny(tokens=60, kv_budget_bytes=96 * 1024, kv_block_tokens=4, prompt="a")
+    settings = RunSettings(**{**settings.__dict__, "kv_window": 20, "kv_sinks": 4})
+    events = list(run_events(open_engine(settings), settings))
+    summary = summarize_events(events)
+    steps = [e for e in events if isinstance(e, StepSample)]
+    assert events[-1].reason == "done" and len(steps) == 60
+    assert {s.kv_bytes for s in steps[25:]} == {20 * TINY_PER_TOKEN}  # flat: 4 sinks + 16
+    assert max(s.kv_bytes_allocated for s in steps) <= 6 * 4 * TINY_PER_TOKEN
+    assert summary.kv_matches_formula() is True
+    started = events[0]
+    assert (started.kv_window, started.kv_sinks) == (20, 4)
+
+
+def test_run_settings_and_events_carry_the_layout_and_refuse_nonsense():
+    settings = tiny(kv_cache_dtype="int8", kv_window=64, kv_sinks=4, kv_heads=1)
+    again = RunSettings.from_json(json.loads(json.dumps(settings.to_json())))
+    assert again == settings and again.layout == KVLayout("int8", 64, 4, False, 1)
+    for bad, words in [
+        ({"kv_sinks": 4}, "give --kv-window"),
+        ({"kv_window": 4, "kv_sinks": 4}, "no room"),
+        ({"kv_cache_dtype": "int4"}, "kv-cache-dtype"),
+        ({"kv_window": 64, "enable_prefix_caching": True}, "not modelled"),
+        ({"kv_heads": 0}, "at least 1"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            RunSettings.from_json({**RunSettings().to_json(), **bad})
+    started = open_engine(settings).started()
+    assert event_from_json(json.loads(json.dumps(to_json(started)))) == started
+    assert started.kv_heads == 1 and started.kv_heads_model == 2
+    assert started.layout == settings.layout
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        (RunSettings(engine="tiny", kv_window=20000), "past tiny-austen's 4,096 positions"),
+        (RunSettings(engine="tiny", kv_window=8, prompt="x" * 20), "do not fit in --kv-window 8"),
+        (RunSettings(engine="tiny", kv_window=512, tokens=5000), "keeps no window"),
+        (RunSettings(engine="tiny", kv_heads=4), "divides them"),
+        (RunSettings(engine="sim:deepseek-v3@8xh200", kv_heads=1), "MLA"),
+    ],
+)
+def test_a_layout_the_run_cannot_keep_is_refused_before_it_starts(settings, words):
+    with pytest.raises(EngineError, match=words):
+        check_run(settings)
+
+
+def test_a_window_goes_past_the_models_positions_in_the_cached_loop_only():
+    long = RunSettings(engine="tiny", kv_window=512, tokens=5000, loops=("cached",))
+    assert check_run(long).kind == "tiny"
+
+
+def test_bench_json_reports_each_loops_bytes_stop_and_quality(capsys):
+    code = main(
+        [
+            "bench",
+            "--kv-cache-dtype",
+            "int8",
+            "--tokens",
+            "60",
+            "--kv-budget",
+            "48KiB",
+            "--prompt",
+            "a",
+            "--greedy",
+            "--loops",
+            "cached",
+            "--quality-bytes",
+            "100",
+            "--json",
+        ]
+    )
+    assert code == 0
+    r = json.loads(capsys.readouterr().out)
+    cached = r["cached"]
+    assert cached["kv_bytes_per_token"] == cached["kv_bytes_per_token_formula"] == 816
+    assert cached["finished"]["reason"] == "out_of_memory"
+    assert cached["finished"]["steps"] == cached["tokens_before_full_predicted"] == 48
+    q = cached["quality"]
+    assert set(q) >= {"nats_per_byte", "nats_per_byte_baseline", "kl", "top1_agreement"}
+    assert "first_divergence" in q and q["positions"] == 99 and q["greedy_tokens"] == 100
+    assert 0 <= q["kl"] < 0.05 and q["top1_agreement"] > 0.9  # int8: a little, measured
+    assert r["uncached"]["tokens"] == 0 and r["uncached"]["quality"] is None
+    assert r["kv_layout"]["words"] == "int8 cache"
+
+
+@pytest.mark.parametrize(
+    ("flags", "per_token"),
+    [
+        ([], 327_680),
+        (["--kv-cache-dtype", "fp8"], 163_840),
+        (["--kv-cache-dtype", "int8"], 163_840 + 80 * 2 * 8 * 2),
+        (["--kv-heads", "1"], 40_960),
+    ],
+)
+def test_sim_models_the_tricks_on_a_catalog_model(capsys, flags, per_token):
+    """fp8 KV on Llama 3.1 70B (modelled): half the bytes a token, twice the tokens a pool
+    holds."""
+    args = ["bench", "--engine", "sim:llama-3.1-70b@4xh100", "--replay-speed", "0"]
+    args += ["--tokens", "64", "--kv-budget", "1GiB", "--loops", "cached", "--json", *flags]
+    assert main(args) == 0
+    r = json.loads(capsys.readouterr().out)
+    per_gpu = per_token // 4 if "--kv-heads" not in flags else per_token  # 1 head: on every GPU
+    assert r["cached"]["kv_bytes_per_token_formula"] == per_gpu
+    assert r["timing"].startswith("modelled")
+    pool = KVPool(2**30, 16, per_gpu)
+    assert r["cached"]["tokens_before_full_predicted"] == pool.tokens_before_full(44)
+
+
+def test_sim_models_a_window_and_shared_prefixes():
+    window = RunSettings(
+        engine="sim:llama-3.1-8b@h100",
+        tokens=300,
+        kv_window=128,
+        kv_sinks=4,
+        replay_speed=0,
+        loops=("cached",),
+    )
+    events = list(run_events(open_engine(window), window))
+    steps = [e for e in events if isinstance(e, StepSample)]
+    assert {s.kv_bytes for s in steps[100:]} == {128 * 131_072}
+    assert summarize_events(events).kv_matches_formula() is True
+    shared = RunSettings(
+        engine="sim:llama-3.1-8b@h100",
+        tokens=300,
+        batch=4,
+        enable_prefix_caching=True,
+        kv_budget_bytes=12 * 16 * 131_072,
+        replay_speed=0,
+        loops=("cached",),
+    )
+    events = list(run_events(open_engine(shared), shared))
+    assert isinstance(events[0], RunStarted) and events[0].kv_shared_tokens == 32
+    assert events[-1].reason == "out_of_memory" and events[-1].steps == 21
+
+
+def test_budget_takes_vllms_kv_cache_dtype(capsys):
+    base = ["budget", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "8192", "--json"]
+    assert main(base) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--kv-cache-dtype", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--kv-cache-dtype", "int8"]) == 0
+    int8 = json.loads(capsys.readouterr().out)
+    assert main([*base, "--kv-cache-dtype", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert fp8["kv_bytes_per_token"] * 2 == bf16["kv_bytes_per_token"] == auto["kv_bytes_per_token"]
+    assert int8["kv_bytes_per_token"] == fp8["kv_bytes_per_token"] + 32 * 2 * 8 * 2
+    assert fp8["kv_capacity_tokens"] > 1.9 * bf16["kv_capacity_tokens"]
+    assert main([*base, "--kv-cache-dtype", "fp8", "--kv-dtype", "bf16"]) == 2
