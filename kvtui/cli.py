@@ -26,11 +26,13 @@ from typing import Any
 
 from kvtui import __version__
 from kvtui.engine.protocol import (
+    DEFAULT_PROMPT,
     EngineError,
 )
 from kvtui.format import (
     safe_text,
 )
+from kvtui.inputs import argv_text
 from kvtui.options import (
     DEFAULT_APP_TOKENS,
     LOOP_CHOICES,
@@ -154,6 +156,86 @@ def _add_bench(subparsers: Any) -> None:
     p.set_defaults(handler=cmd_bench)
 
 
+def cmd_tricks(args: argparse.Namespace) -> int:
+    """Every trick that stretches the KV cache, run on one model under one budget: a table, or
+    `--json`."""
+    from kvtui.engine.protocol import RunSettings
+    from kvtui.engine.table import TABLE_TOKENS, format_tricks, run_table, table_header
+
+    settings = RunSettings(
+        engine=args.engine,
+        device=args.device,
+        tokens=args.tokens or TABLE_TOKENS,
+        prompt=argv_text(args.prompt),
+        threads=args.threads,
+        kv_budget_bytes=args.kv_budget,
+        kv_block_tokens=args.kv_block,
+        replay_speed=0,
+    )
+    progress = (
+        (lambda line: print(f"\r{line[:76]:<76}", end="", file=sys.stderr, flush=True))
+        if sys.stderr.isatty()
+        else (lambda line: None)
+    )
+    try:
+        header = table_header(settings)
+        rows = list(run_table(settings, quality_bytes=args.quality_bytes, progress=progress))
+    except EngineError as exc:
+        raise UsageError(f"kvtui tricks: {exc}") from None
+    finally:
+        if sys.stderr.isatty():
+            print("\r" + " " * 78 + "\r", end="", file=sys.stderr)
+    if args.json:
+        print_json({**header, "rows": rows})
+    else:
+        print(format_tricks(header, rows))
+    return 0
+
+
+def _add_tricks(subparsers: Any) -> None:
+    from kvtui.options import MAX_THREADS, kv_budget
+    from kvtui.sim.pool import DEFAULT_BLOCK_SIZE, MAX_KV_BLOCK_TOKENS
+
+    p = subparsers.add_parser(
+        "tricks", help="the tricks that stretch the KV cache, each measured on the live model"
+    )
+    p.add_argument("--engine", default="tiny", help="tiny (default), shape:MODEL or sim:MODEL@GPU")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--tokens",
+        type=int_in(1, 2**18),
+        default=None,
+        help="tokens each row asks for (default 1,536: past where fp8 stops on 1 MiB)",
+    )
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
+    p.add_argument("--threads", type=int_in(1, MAX_THREADS), default=1)
+    p.add_argument(
+        "--kv-budget",
+        type=kv_budget,
+        default=None,
+        metavar="SIZE",
+        help="the KV pool every row shares (default 1 MiB)",
+    )
+    p.add_argument(
+        "--kv-block",
+        "--block-size",
+        dest="kv_block",
+        type=int_in(1, MAX_KV_BLOCK_TOKENS),
+        default=DEFAULT_BLOCK_SIZE,
+        metavar="TOKENS",
+    )
+    p.add_argument(
+        "--quality-bytes",
+        type=int_in(0, HELDOUT_BYTES),
+        default=QUALITY_BYTES,
+        metavar="N",
+        help=f"held-out bytes each trick's quality is measured on (default {QUALITY_BYTES:,}; "
+        "0: none)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_tricks)
+
+
 def _add_serve(subparsers: Any) -> None:
     from kvtui.serve import add_parser  # its parser and handler; textual-serve only when serving
 
@@ -166,6 +248,7 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [
     add_models,
     add_gpus,
     _add_bench,
+    _add_tricks,
     _add_serve,
     add_export_hf,
     add_load,
