@@ -205,7 +205,7 @@ def _add_tricks(subparsers: Any) -> None:
         "--tokens",
         type=int_in(1, 2**18),
         default=None,
-        help="tokens each row asks for (default 1,536: past where fp8 stops on 1 MiB)",
+        help="tokens each row asks for (default 768: past where fp8 stops on the default pool)",
     )
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text")
     p.add_argument("--threads", type=int_in(1, MAX_THREADS), default=1)
@@ -214,7 +214,8 @@ def _add_tricks(subparsers: Any) -> None:
         type=kv_budget,
         default=None,
         metavar="SIZE",
-        help="the KV pool every row shares (default 1 MiB)",
+        help="the KV pool every row shares (default: the power of two that holds 160 tokens "
+        "of the plain cache; 512 KiB for tiny)",
     )
     p.add_argument(
         "--kv-block",

@@ -201,7 +201,7 @@ def prompt_positions(settings: RunSettings) -> int:
         ) from None
 
 
-def _tiny_config() -> dict[str, object]:
+def tiny_config() -> dict[str, object]:
     """The shipped model's config from its safetensors metadata (read without torch: the header
     only); empty when the file is missing (the engine then makes the default shape)."""
     from kvtui.inputs import InputError, parse_json, safetensors_header
@@ -222,7 +222,7 @@ def _tiny_config() -> dict[str, object]:
 
 def tiny_positions() -> int:
     """The shipped model's positions, from the config in its safetensors metadata."""
-    config = _tiny_config()
+    config = tiny_config()
     positions = config.get("max_positions", TINY_POSITIONS)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
         raise EngineError("the shipped model is damaged (no max_positions); reinstall kvtui")
@@ -254,7 +254,7 @@ def model_kv_heads(spec: EngineSpec) -> int | None:
     """The key/value heads of the model a `tiny`, `shape:` or `sim:` engine runs (None for an
     MLA model, which caches a latent, or for another engine)."""
     if spec.kind == "tiny":
-        heads = _tiny_config().get("n_kv_head", TINY_KV_HEADS)
+        heads = tiny_config().get("n_kv_head", TINY_KV_HEADS)
         return heads if isinstance(heads, int) and not isinstance(heads, bool) else None
     if spec.kind in ("shape", "sim") and spec.model:
         from kvtui.sim.catalog import UnknownNameError, get_model

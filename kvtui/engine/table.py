@@ -24,6 +24,7 @@ from typing import Any
 
 from kvtui.engine.protocol import EngineError, RunSettings
 from kvtui.engine.spec import check_run, parse_engine
+from kvtui.gpu.probe import cuda_visible
 from kvtui.sim.pool import KVPool
 from kvtui.sim.tricks import (
     PUBLISHED,
@@ -34,12 +35,19 @@ from kvtui.sim.tricks import (
     tokens_before_full,
 )
 
-TABLE_BUDGET_BYTES = 2**20
-"""The KV budget every row shares by default: 1 MiB, 336 tokens of the shipped model's fp32 cache
-(3,072 bytes a token), and room for a window of 256 (its 18 blocks of 16)."""
-TABLE_TOKENS = 1536
-"""Tokens each row asks for by default: past where fp8 and int8 stop on 1 MiB (1,360 and 1,280
-positions), so each row's stop is measured."""
+BUDGET_TOKENS = 160
+"""The KV budget every row shares, by default: the power of two of bytes that holds this many
+tokens of the model's plain cache (512 KiB for the shipped model's fp32 cache, 3,072 bytes a
+token: 160 tokens of 16-token blocks), so the plain cache stops early and each trick's room
+shows."""
+TABLE_TOKENS = 768
+"""Tokens each row asks for by default: past where fp8 and int8 stop on the shipped model's 512
+KiB (672 and 640 positions), so each row's stop is measured."""
+TABLE_WINDOW = 128
+"""Positions the window rows keep: a window that fills and slides within the 1,024 bytes of text
+each trick's quality is measured on, and whose blocks fit in the 512 KiB pool."""
+TABLE_SINKS = 4
+"""StreamingLLM's sinks."""
 TABLE_BATCH = 4
 """Sequences of one prompt the prefix-caching row decodes together (and its plain baseline)."""
 
@@ -66,8 +74,15 @@ TABLE_ROWS: tuple[TrickRow, ...] = (
     TrickRow("plain", "plain cache"),
     TrickRow("fp8", "fp8 cache", {"kv_cache_dtype": "fp8"}, "fp8"),
     TrickRow("int8", "int8 cache", {"kv_cache_dtype": "int8"}, "int8"),
-    TrickRow("window", "window 252 + 4 sinks", {"kv_window": 256, "kv_sinks": 4}, "window"),
-    TrickRow("window-nosinks", "window 256, no sinks", {"kv_window": 256}, "window"),
+    TrickRow(
+        "window",
+        f"window {TABLE_WINDOW - TABLE_SINKS} + {TABLE_SINKS} sinks",
+        {"kv_window": TABLE_WINDOW, "kv_sinks": TABLE_SINKS},
+        "window",
+    ),
+    TrickRow(
+        "window-nosinks", f"window {TABLE_WINDOW}, no sinks", {"kv_window": TABLE_WINDOW}, "window"
+    ),
     TrickRow(
         "prefix",
         f"prefix caching, {TABLE_BATCH} seqs",
@@ -82,7 +97,7 @@ TABLE_ROWS: tuple[TrickRow, ...] = (
 def table_base(settings: RunSettings) -> RunSettings:
     """The run every row varies: the cached loop only, greedy, the tricks off, on the settings'
     engine, prompt, device and threads, with the table's budget and length unless given."""
-    return replace(
+    plain = replace(
         settings,
         loops=("cached",),
         greedy=True,
@@ -92,8 +107,18 @@ def table_base(settings: RunSettings) -> RunSettings:
         kv_sinks=0,
         enable_prefix_caching=False,
         kv_heads=None,
-        kv_budget_bytes=settings.kv_budget_bytes or TABLE_BUDGET_BYTES,
     )
+    return replace(plain, kv_budget_bytes=settings.kv_budget_bytes or default_budget(plain))
+
+
+def default_budget(settings: RunSettings) -> int:
+    """The table's and the race's KV budget: the power of two of bytes at or above
+    BUDGET_TOKENS tokens of the model's plain cache, by the formula (one GPU's share on `sim:`);
+    512 KiB for the shipped model."""
+    shape = _shape(settings)
+    per_token = 3072 if shape is None else layout_bytes_per_token(shape[0], KVLayout(), shape[1])
+    need = BUDGET_TOKENS * per_token
+    return 1 << (need - 1).bit_length()
 
 
 def check_table(base: RunSettings) -> None:
@@ -175,7 +200,7 @@ def _formula_row(base: RunSettings) -> dict[str, Any]:
         return {"how": "formula", "words": "no shape known"}
     mha = mha_spec(shape[0])
     per_token = layout_bytes_per_token(mha, KVLayout(), shape[1])
-    pool = KVPool(base.kv_budget_bytes or TABLE_BUDGET_BYTES, base.kv_block_tokens, per_token)
+    pool = KVPool(base.kv_budget_bytes or default_budget(base), base.kv_block_tokens, per_token)
     P = prompt_positions(base)
     return {
         "how": "formula",
@@ -192,20 +217,25 @@ def _formula_row(base: RunSettings) -> dict[str, Any]:
 def _shape(base: RunSettings) -> tuple[Any, str] | None:
     """The model's shape and the dtype its cache is kept in, cheaply (no torch): the shipped
     model's from its header (fp32 on a CPU, as the engine runs it), a catalog model's."""
-    from kvtui.engine.spec import _tiny_config
+    from kvtui.engine.spec import tiny_config
     from kvtui.sim.catalog import get_model
+    from kvtui.sim.parallel import shard
 
     spec = parse_engine(base.engine)
+    on_cpu = base.device == "cpu" or (base.device == "auto" and not cuda_visible())
     if spec.kind == "tiny":
         from kvtui.paths import TINY_NAME
 
         model = get_model(TINY_NAME)
-        heads = _tiny_config().get("n_kv_head", model.kv_heads)
+        heads = tiny_config().get("n_kv_head", model.kv_heads)
         if isinstance(heads, int):
             model = replace(model, kv_heads=heads)
-        return model, "fp32" if base.device in ("auto", "cpu") else "bf16"
+        return model, "fp32" if on_cpu else "bf16"
     if spec.model:
-        return get_model(spec.model), "fp32" if spec.kind == "shape" else "bf16"
+        model = get_model(spec.model)
+        if spec.kind == "sim":
+            return shard(model, spec.gpus), "bf16"
+        return model, "fp32" if on_cpu else "bf16"
     return None
 
 
