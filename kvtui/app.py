@@ -47,6 +47,7 @@ from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.present import PresentScreen
 from kvtui.screens.recompute import RecomputeScreen
+from kvtui.screens.tricks import TableFactory, TricksScreen
 from kvtui.sim.catalog import GPUSpec, gpu_from_probe, model_names
 from kvtui.sim.pool import step_budget
 
@@ -58,8 +59,8 @@ if TYPE_CHECKING:
 LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 """The batches screen 3's n steps through (`--batch` takes any up to 256)."""
 
-MODES = ("recompute", "cache", "memory")
-"""The lesson's screens, in order: keys 1, 2 and 3."""
+MODES = ("recompute", "cache", "memory", "tricks")
+"""The lesson's screens, in order: keys 1, 2, 3 and 4."""
 
 POST_INTERVAL_S = 1 / RUN_UPDATES_PER_SECOND
 """The reader worker posts at most one batch of events per this many seconds."""
@@ -97,6 +98,13 @@ class Readies(Protocol):
     def close(self) -> None: ...
 
 
+def table_process(settings: RunSettings) -> Any:
+    """Screen 4's table, measured in a child process of its own (kvtui.engine.table)."""
+    from kvtui.engine.table import TableProcess
+
+    return TableProcess(settings)
+
+
 @dataclass(frozen=True)
 class AppConfig:
     """Plain values the CLI (or a test) hands the app."""
@@ -110,6 +118,8 @@ class AppConfig:
     """Start the engine as soon as the app is up."""
     present: bool = False
     """Open in presenter mode (kvtui.screens.present; `p` toggles it)."""
+    table_factory: TableFactory = table_process
+    """What measures screen 4's table (a child process; in tests, `sim:` in this process)."""
 
 
 _END = object()
@@ -187,9 +197,10 @@ class KVApp(App[int]):
     default."""
 
     BINDINGS = [
-        Binding("1", "screen(1)", "Screens", key_display="1 2 3"),
+        Binding("1", "screen(1)", "Screens", key_display="1-4"),
         Binding("2", "screen(2)", "Cache", show=False),
         Binding("3", "screen(3)", "Memory", show=False),
+        Binding("4", "screen(4)", "Tricks", show=False),
         Binding("space", "pause", "Pause"),
         Binding("r", "restart", "Run"),
         Binding("l", "lesson", "Lesson", show=False),
@@ -267,6 +278,11 @@ class KVApp(App[int]):
                 batch_next=KVApp.batch,
                 run=KVApp.live_run,
             ),
+            "tricks": TricksScreen(
+                self.live_run,
+                engine_factory=self._engine_factory,
+                table_factory=self.config.table_factory,
+            ).data_bind(run=KVApp.live_run),
         }
         screens["present"] = PresentScreen(self.live_run).data_bind(run=KVApp.live_run)
         for mode, screen in screens.items():
@@ -276,7 +292,7 @@ class KVApp(App[int]):
             self._probed(self.config.probe)
         else:
             self._probe_device()
-        self.switch_mode(MODES[max(1, min(3, self.config.screen)) - 1])
+        self.switch_mode(MODES[max(1, min(len(MODES), self.config.screen)) - 1])
         if self.config.present:
             self.action_present()
         if self.config.autostart:
@@ -667,6 +683,7 @@ def make_app(
     engine_factory: EngineFactory | None = None,
     autostart: bool = True,
     present: bool = False,
+    table_factory: TableFactory = table_process,
 ) -> KVApp:
     """The one factory that builds the app, for the CLI and for the tests."""
     config = AppConfig(
@@ -675,6 +692,7 @@ def make_app(
         probe=probe,
         autostart=autostart,
         present=present,
+        table_factory=table_factory,
     )
     return KVApp(config, engine_factory)
 

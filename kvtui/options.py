@@ -309,7 +309,7 @@ def add_run_options(group: Any, *, app: bool) -> None:
             f"SEED + r (default 1; at most {MAX_RUN_BATCH}; tiny, shape: and sim: only)",
         )
         group.add_argument(
-            "--screen", type=int, choices=[1, 2, 3], default=1, help="the screen to open first"
+            "--screen", type=int, choices=[1, 2, 3, 4], default=1, help="the screen to open first"
         )
         group.add_argument(
             "--present",

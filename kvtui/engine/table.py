@@ -157,7 +157,12 @@ def run_row(
     if row.formula_only:
         return {**out, **_formula_row(base)}
     say = lambda line: progress(f"{row.label}: {line}")  # noqa: E731
-    r = run_bench(settings, quality_bytes=0 if row.key == "plain" else quality_bytes, progress=say)
+    try:
+        r = run_bench(
+            settings, quality_bytes=0 if row.key == "plain" else quality_bytes, progress=say
+        )
+    except EngineError as exc:  # no step at all: the pool cannot hold the prompt
+        return {**out, **_no_steps(settings, str(exc))}
     cached = r["cached"]
     finished = cached["finished"] or {}
     out.update(
@@ -179,7 +184,13 @@ def run_row(
         text=r["text"][:160],
     )
     if row.key == "prefix":  # the same batch without sharing, for its pool and speed
-        plain = run_bench(replace(settings, enable_prefix_caching=False), quality_bytes=0)
+        out["first_step_positions"] = r["work_cached"] - (cached["tokens"] - 1) * r["batch"]
+        unshared = replace(settings, enable_prefix_caching=False)
+        try:
+            plain = run_bench(unshared, quality_bytes=0)
+        except EngineError as exc:  # the pool cannot hold every sequence's prompt unshared
+            out["baseline"] = _no_steps(unshared, str(exc))
+            return out
         c = plain["cached"]
         out["baseline"] = {
             "steps": c["tokens"],
@@ -187,8 +198,24 @@ def run_row(
             "speed": _speed(c),
             "first_step_positions": plain["work_cached"] - (c["tokens"] - 1) * plain["batch"],
         }
-        out["first_step_positions"] = r["work_cached"] - (cached["tokens"] - 1) * r["batch"]
     return out
+
+
+def _no_steps(settings: RunSettings, message: str) -> dict[str, Any]:
+    """A row whose run made no step: the pool could not hold the prompt (of every sequence)."""
+    return {
+        "how": "measured",
+        "words": settings.layout.words(),
+        "batch": settings.batch,
+        "tokens": settings.tokens,
+        "steps": 0,
+        "stopped": True,
+        "stop_message": message,
+        "tokens_before_full_predicted": 0,
+        "first_step_positions": 0,
+        "quality": None,
+        "speed": {},
+    }
 
 
 def _formula_row(base: RunSettings) -> dict[str, Any]:
@@ -275,6 +302,111 @@ def _cpu_capability() -> str:
 
 
 # --- the app's child process ---------------------------------------------------------------------
+
+TABLE_MAIN = "from kvtui.engine.table import child_main\nraise SystemExit(child_main())"
+"""What the table's child runs, once kvtui is imported (kvtui.engine.process.child_command)."""
+TABLE_LINE_KINDS = ("header", "row", "failed", "done")
+"""What a table's lines say: what every row shares, a row, why it could not run, the end."""
+
+
+class TableProcess:
+    """The table measured in a child process of its own (torch there, never in the UI), its lines
+    read back one at a time: for the app's screen 4. `lines` yields dicts with a `kind` of
+    TABLE_LINE_KINDS; a child that dies without its last line yields a `failed` one saying so."""
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.settings = settings
+        self._proc: Any = None
+        self._stderr: Any = None
+
+    def start(self) -> None:
+        import subprocess
+        import tempfile
+
+        from kvtui.engine.process import CHILD_CWD, absolute_paths, child_command
+
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            child_command(TABLE_MAIN),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            encoding="utf-8",
+            cwd=CHILD_CWD,
+            start_new_session=True,
+        )
+        try:
+            self._proc.stdin.write(json.dumps(absolute_paths(self.settings).to_json()) + "\n")
+            self._proc.stdin.close()
+        except OSError:
+            pass  # the child died at once: `lines` says why
+
+    def lines(self) -> Iterator[dict[str, Any]]:
+        proc = self._proc
+        if proc is None or proc.stdout is None:
+            raise RuntimeError("start() first")
+        ended = False
+        for line in proc.stdout:
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a library's stray output
+            if not isinstance(data, dict) or data.get("kind") not in TABLE_LINE_KINDS:
+                continue
+            ended = ended or data["kind"] in ("failed", "done")
+            yield data
+        code = proc.wait()
+        if not ended:
+            self._stderr.seek(0)
+            said = [x.strip() for x in self._stderr.read().splitlines() if x.strip()]
+            why = said[-1] if said else f"it exited with status {code}"
+            yield {"kind": "failed", "message": f"the table's process stopped: {why}"[:200]}
+
+    def close(self, timeout: float = 1.0) -> None:
+        import subprocess
+
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for stream in (getattr(proc, "stdout", None), self._stderr):
+            if stream is not None:
+                stream.close()
+
+
+class InProcessTable:
+    """The table measured in this process, as `TableProcess` reports it: for `sim:` engines
+    (no torch), in tests and kvtui.testing. A torch engine's table says it runs elsewhere."""
+
+    def __init__(self, settings: RunSettings) -> None:
+        self.settings = settings
+        self._closed = False
+
+    def start(self) -> None:
+        pass
+
+    def lines(self) -> Iterator[dict[str, Any]]:
+        if parse_engine(self.settings.engine).kind != "sim":
+            yield {"kind": "failed", "message": "the table of a torch engine runs in its process"}
+            return
+        try:
+            yield {"kind": "header", **table_header(self.settings)}
+            for row in run_table(replace(self.settings, replay_speed=0)):
+                if self._closed:
+                    return
+                yield {"kind": "row", **row}
+        except EngineError as exc:
+            yield {"kind": "failed", "message": str(exc)}
+            return
+        yield {"kind": "done"}
+
+    def close(self, timeout: float = 1.0) -> None:
+        self._closed = True
 
 
 def child_main() -> int:

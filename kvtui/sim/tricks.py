@@ -341,6 +341,8 @@ class Reference:
     """Which: "fp8", "int8", "kivi", "window", "kv-heads"."""
     claim: str
     source: str
+    short: str = ""
+    """The claim in a line, with whose it is (screen 4)."""
 
 
 PUBLISHED: tuple[Reference, ...] = (
@@ -350,28 +352,33 @@ PUBLISHED: tuple[Reference, ...] = (
         "without fused dequantization",
         "vLLM docs, Quantized KV Cache (docs.vllm.ai/en/v0.11.2/features/quantization/"
         "quantized_kvcache)",
+        "vLLM: an fp8 cache holds about 2x the tokens",
     ),
     Reference(
         "int8",
         "perplexity 6.2322 -> 6.2346 with a q8_0 (8-bit) cache on a 7B model",
         "llama.cpp pull request #7412 (github.com/ggml-org/llama.cpp/pull/7412)",
+        "llama.cpp: a q8_0 cache, perplexity 6.2322 -> 6.2346 on a 7B",
     ),
     Reference(
         "kivi",
         "2-bit keys (per channel) and values (per token): 2.6x less peak memory, weights included",
         "KIVI, Liu et al. 2024, arXiv:2402.02750 (not run here)",
+        "KIVI: a 2-bit cache, 2.6x less peak memory",
     ),
     Reference(
         "window",
         "4 sinks + 1,020 window: perplexity 5.40, against 5,158 for a 1,024 window alone "
         "(Llama-2-13B, 65K tokens of PG19)",
         "StreamingLLM, Xiao et al. 2023, arXiv:2309.17453, table 1",
+        "StreamingLLM: 4 sinks + 1,020 window, perplexity 5.40; the window alone 5,158",
     ),
     Reference(
         "kv-heads",
         "a multi-head checkpoint becomes grouped-query by mean-pooling its heads, then "
         "uptraining on 5% of the pre-training compute",
         "GQA, Ainslie et al. 2023, arXiv:2305.13245, section 2.1",
+        "GQA paper: averaged heads need uptraining, 5% of pre-training",
     ),
 )
 

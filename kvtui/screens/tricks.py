@@ -1,0 +1,675 @@
+"""Screen 4: stretching the cache, each trick measured on the live model.
+
+Above, the table of `kvtui tricks` (kvtui.engine.table), measured in a process of its own on the
+running engine's model, each row landing as it is measured: what each trick keeps a token in,
+how far the same pool goes with it (measured, against its own prediction), what it costs in
+quality and speed. Below, one trick races the plain cache as screen 2 races the two loops: two
+engines, each its own process, each its own pool of the same budget, their bars filling at their
+own rates, the plain one turning red and stopping first while the trick goes on. The race and the
+table are this screen's own state: it starts their processes through the factories it is given,
+and reads their events in workers that post them back.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.reactive import reactive, var
+from textual.widget import Widget
+from textual.widgets import Static
+from textual.worker import get_current_worker
+
+from kvtui.engine.protocol import Event, RunFailed, RunSettings
+from kvtui.engine.spec import parse_engine
+from kvtui.engine.table import (
+    TABLE_ROWS,
+    TABLE_SINKS,
+    TABLE_TOKENS,
+    TABLE_WINDOW,
+    default_budget,
+)
+from kvtui.format import format_bytes, format_int, format_ratio, safe_text
+from kvtui.screens.base import LessonScreen
+from kvtui.screens.live import LiveRun
+from kvtui.sim.tricks import references
+from kvtui.widgets.stream import TokenStream
+
+RACE_UPDATES_PER_SECOND = 10
+"""How often each race engine's events are handed to the screen, at most."""
+
+
+class EngineHandle(Protocol):
+    """What the race needs of an engine (the App's `EngineHandle`)."""
+
+    def start(self) -> None: ...
+    def events(self) -> Iterator[Event]: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def close(self, timeout: float = 1.0) -> None: ...
+
+
+class TableHandle(Protocol):
+    """What the table needs of its process (kvtui.engine.table.TableProcess)."""
+
+    def start(self) -> None: ...
+    def lines(self) -> Iterator[dict[str, Any]]: ...
+    def close(self, timeout: float = 1.0) -> None: ...
+
+
+EngineFactory = Callable[[RunSettings], EngineHandle]
+TableFactory = Callable[[RunSettings], TableHandle]
+
+
+# --- what races ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RaceVariant:
+    """One setting of a trick in the race."""
+
+    words: str
+    trick: dict[str, Any]
+    """RunSettings fields the trick's engine sets."""
+    both: dict[str, Any] = field(default_factory=dict)
+    """Fields both engines set (a batch, for shared prefixes)."""
+    tokens: int = TABLE_TOKENS
+    reference: str = ""
+    """Which published figures stand beside it (kvtui.sim.tricks.PUBLISHED)."""
+
+
+RACE: tuple[tuple[str, tuple[RaceVariant, ...]], ...] = (
+    (
+        "a smaller element",
+        (
+            RaceVariant("fp8", {"kv_cache_dtype": "fp8"}, reference="fp8"),
+            RaceVariant("int8", {"kv_cache_dtype": "int8"}, reference="int8"),
+        ),
+    ),
+    (
+        "a window",
+        (
+            RaceVariant(
+                f"window {TABLE_WINDOW - TABLE_SINKS} + {TABLE_SINKS} sinks",
+                {"kv_window": TABLE_WINDOW, "kv_sinks": TABLE_SINKS},
+                tokens=6000,
+                reference="window",
+            ),
+            RaceVariant(
+                f"window {TABLE_WINDOW}, no sinks",
+                {"kv_window": TABLE_WINDOW},
+                tokens=6000,
+                reference="window",
+            ),
+            RaceVariant(
+                "window 1,020 + 4 sinks",
+                {"kv_window": 1024, "kv_sinks": 4},
+                tokens=6000,
+                reference="window",
+            ),
+        ),
+    ),
+    (
+        "shared prefixes",
+        tuple(
+            RaceVariant(f"prefix caching x{b}", {"enable_prefix_caching": True}, {"batch": b})
+            for b in (4, 8, 2)
+        ),
+    ),
+    ("fewer KV heads", (RaceVariant("1 KV head", {"kv_heads": 1}, reference="kv-heads"),)),
+)
+"""The tricks the race runs, each with its settings (k picks the trick, + and - the setting)."""
+
+SIDES = ("plain", "trick")
+
+SHORT_LABELS = {
+    "plain": "plain cache",
+    "fp8": "fp8",
+    "int8": "int8 (+ scales)",
+    "window": f"window {TABLE_WINDOW - TABLE_SINKS}+{TABLE_SINKS} sinks",
+    "window-nosinks": f"window {TABLE_WINDOW} alone",
+    "prefix": "prefix cache x4",
+    "mqa": "MQA: 1 KV head",
+    "mha": "MHA (by formula)",
+}
+"""The table's rows as the screen names them (`kvtui tricks`' own labels are longer)."""
+
+
+@dataclass
+class TableState:
+    """The table as its process has reported it so far."""
+
+    engine: str = ""
+    header: dict[str, Any] | None = None
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed: str = ""
+    done: bool = False
+    started: bool = False
+
+
+# --- widgets -------------------------------------------------------------------------------------
+
+
+class PoolLine(Widget):
+    """One engine's KV pool on one line: the bytes taken as a bar, then how many and the tokens
+    held; red once the pool has run out."""
+
+    DEFAULT_CSS = """
+    PoolLine { height: 1; width: 1fr; }
+    PoolLine > .pool--taken { color: $warning; }
+    PoolLine > .pool--free { color: $text-muted; }
+    PoolLine.-full > .pool--taken { color: $error; text-style: bold; }
+    PoolLine.-full { color: $error; }
+    """
+    COMPONENT_CLASSES = {"pool--taken", "pool--free"}
+
+    share: reactive[float] = reactive(0.0)
+    words: reactive[str] = reactive("")
+
+    def show(self, share: float, words: str, full: bool) -> None:
+        self.share, self.words = max(0.0, min(1.0, share)), words
+        self.set_class(full, "-full")
+
+    def render(self) -> RenderableType:
+        width = self.content_size.width
+        words = f" {self.words}"
+        cells = max(4, width - len(words))
+        taken = round(self.share * cells)
+        line = Text(no_wrap=True, overflow="ellipsis")
+        line.append("█" * taken, style=self.get_component_rich_style("pool--taken"))
+        line.append("░" * (cells - taken), style=self.get_component_rich_style("pool--free"))
+        line.append(words)
+        return line
+
+
+# --- the screen ----------------------------------------------------------------------------------
+
+
+class TricksScreen(LessonScreen):
+    """The tricks' table, measured, and one trick racing the plain cache on the same pool."""
+
+    TITLE_TEXT = "4 · Stretching the cache: what each trick buys, measured here"
+
+    BINDINGS = [
+        Binding("k", "next_trick(1)", "Trick", key_display="k"),
+        Binding("K", "next_trick(-1)", "Trick -", show=False),
+        Binding("plus,equals_sign,right", "setting(1)", "Setting", key_display="+-"),
+        Binding("minus,left", "setting(-1)", "Setting -", show=False),
+        Binding("r", "race", "Race"),
+        Binding("space", "pause_race", "Pause", show=False),
+    ]
+
+    trick: var[int] = var(0, init=False)
+    """Which of RACE races the plain cache."""
+    variant: var[int] = var(0, init=False)
+    """Which of its settings."""
+
+    @dataclass
+    class RaceReported(Message, bubble=False):
+        """A batch of one race engine's events arrived."""
+
+        race_id: int
+        side: str
+        events: list[Event]
+
+    @dataclass
+    class TableLine(Message, bubble=False):
+        """The table's process reported a line (a header, a row, a failure, its end)."""
+
+        table_id: int
+        line: dict[str, Any]
+
+    def __init__(
+        self,
+        run: LiveRun,
+        *,
+        engine_factory: EngineFactory,
+        table_factory: TableFactory,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(run, name=name)
+        self._engine_factory, self._table_factory = engine_factory, table_factory
+        self.table = TableState()
+        self.race: dict[str, LiveRun] = {}
+        """The race's two runs, folded (this screen owns them)."""
+        self._handles: dict[str, EngineHandle] = {}
+        self._race_id = self._table_id = 0
+        self._race_paused = False
+        self._table_handle: TableHandle | None = None
+
+    def compose_body(self) -> ComposeResult:
+        yield Static("", id="tricks-table")
+        yield Static("", id="tricks-caption")
+        yield Static("", id="race-title")
+        with Horizontal(id="race"):
+            for side in SIDES:
+                with Vertical(classes="race-side"):
+                    yield PoolLine(id=f"pool-{side}")
+                    yield TokenStream("", id=f"stream-{side}")
+        yield Static("", id="answer")
+        yield Static("", id="answer-more")
+
+    # --- what races, and starting it ---------------------------------------------------------
+
+    @property
+    def race_variant(self) -> RaceVariant:
+        variants = RACE[self.trick][1]
+        return variants[self.variant % len(variants)]
+
+    def action_next_trick(self, step: int) -> None:
+        self.variant = 0
+        self.trick = (self.trick + step) % len(RACE)
+        self.start_race()
+
+    def action_setting(self, step: int) -> None:
+        self.variant = (self.variant + step) % len(RACE[self.trick][1])
+        self.start_race()
+
+    def action_race(self) -> None:
+        self.start_race()
+
+    def action_pause_race(self) -> None:
+        self._race_paused = not self._race_paused
+        for handle in self._handles.values():
+            (handle.pause if self._race_paused else handle.resume)()
+        self.mark_dirty()
+
+    def on_screen_resume(self) -> None:
+        super().on_screen_resume()
+        if not self.race:
+            self.start_race()
+        self._table_when_quiet()
+
+    @property
+    def racing(self) -> bool:
+        """Whether a race engine is still going."""
+        return any(run.state in ("starting", "running", "paused") for run in self.race.values())
+
+    def _table_when_quiet(self) -> None:
+        """Measure the table (again, for another engine) once no race is running: its speeds
+        want the CPU to themselves."""
+        stale = not self.table.started or self.table.engine != self.run.settings.engine
+        if stale and not self.racing and self.is_current:
+            self.start_table()
+
+    def follow_run(self, run: LiveRun) -> None:
+        """Measure the table again when the main run's engine changes (another model), once
+        this screen has been shown and no race runs."""
+        if self.table.started:
+            self._table_when_quiet()
+
+    def _race_settings(self) -> dict[str, RunSettings]:
+        """The two engines' settings: the main run's engine, prompt and sampling, the cached
+        loop only, one budget; the trick's fields on one of them."""
+        base = self.run.settings
+        variant = self.race_variant
+        common = replace(
+            base,
+            loops=("cached",),
+            lesson=False,
+            batch=1,
+            kv_cache_dtype="auto",
+            kv_window=None,
+            kv_sinks=0,
+            enable_prefix_caching=False,
+            kv_heads=None,
+            **variant.both,
+        )
+        common = replace(common, kv_budget_bytes=base.kv_budget_bytes or default_budget(common))
+        started = self.run.started
+        positions = started.max_positions if started and started.max_positions else None
+        prompt = started.prompt_tokens if started else len(base.prompt.encode("utf-8"))
+        plain_tokens = variant.tokens
+        if positions is not None:
+            plain_tokens = max(1, min(plain_tokens, positions - prompt))
+        return {
+            "plain": replace(common, tokens=plain_tokens),
+            "trick": replace(common, tokens=variant.tokens, **variant.trick),
+        }
+
+    def start_race(self) -> None:
+        """(Re)start both engines of the race."""
+        self._close_race()
+        if parse_engine(self.run.settings.engine).kind not in ("tiny", "shape", "sim"):
+            self.race = {}
+            self.mark_dirty()
+            return
+        self._race_id += 1
+        self._race_paused = False
+        settings = self._race_settings()
+        self.race = {side: LiveRun(settings[side]) for side in SIDES}
+        for side in SIDES:
+            handle = self._engine_factory(settings[side])
+            self._handles[side] = handle
+            self._read_race(handle, side, self._race_id)
+        self.mark_dirty()
+
+    def _close_race(self) -> None:
+        self.workers.cancel_group(self, "race")
+        self._handles.clear()
+
+    def start_table(self) -> None:
+        """(Re)measure the table on the main run's engine."""
+        if self._table_handle is not None:
+            self.workers.cancel_group(self, "table")
+        self._table_id += 1
+        engine = self.run.settings.engine
+        self.table = TableState(engine=engine, started=True)
+        if parse_engine(engine).kind not in ("tiny", "shape", "sim"):
+            self.table.failed = "the tricks run on kvtui's own engines (tiny, shape:, sim:)"
+            self.mark_dirty()
+            return
+        settings = replace(self.run.settings, tokens=TABLE_TOKENS)
+        handle = self._table_factory(settings)
+        self._table_handle = handle
+        self._read_table(handle, self._table_id)
+        self.mark_dirty()
+
+    def on_unmount(self) -> None:
+        self._close_race()
+        self.workers.cancel_group(self, "table")
+
+    # --- the workers -------------------------------------------------------------------------
+
+    @work(thread=True, group="race", exit_on_error=False)
+    def _read_race(self, engine: EngineHandle, side: str, race_id: int) -> None:
+        """Start one race engine and relay its events in batches until it ends or the race is
+        started again (as the App's reader does for the main run)."""
+        worker = get_current_worker()
+        inbox: queue.Queue[Event | None] = queue.Queue()
+
+        def pump() -> None:
+            try:
+                for event in engine.events():
+                    inbox.put(event)
+            except Exception as exc:  # the pipe broke: the run's failure
+                inbox.put(RunFailed(f"engine stream broke: {exc}"))
+            finally:
+                inbox.put(None)
+
+        try:
+            engine.start()
+            threading.Thread(target=pump, name=f"kvtui-race-{side}", daemon=True).start()
+            pending: list[Event] = []
+            last, ended = 0.0, False
+            while not ended and not worker.is_cancelled:
+                try:
+                    item = inbox.get(timeout=1 / RACE_UPDATES_PER_SECOND)
+                    while True:
+                        if item is None:
+                            ended = True
+                            break
+                        pending.append(item)
+                        item = inbox.get_nowait()
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                if pending and (ended or now - last >= 1 / RACE_UPDATES_PER_SECOND):
+                    self.post_message(self.RaceReported(race_id, side, pending))
+                    pending, last = [], now
+        finally:
+            engine.close(timeout=1.0)
+
+    @work(thread=True, group="table", exit_on_error=False)
+    def _read_table(self, handle: TableHandle, table_id: int) -> None:
+        worker = get_current_worker()
+        try:
+            handle.start()
+            for line in handle.lines():
+                if worker.is_cancelled:
+                    return
+                self.post_message(self.TableLine(table_id, line))
+        except Exception as exc:  # the table's process could not start: say so in the table
+            self.post_message(self.TableLine(table_id, {"kind": "failed", "message": str(exc)}))
+        finally:
+            handle.close(timeout=1.0)
+
+    @on(RaceReported)
+    def _race_reported(self, message: RaceReported) -> None:
+        if message.race_id != self._race_id:
+            return
+        run = self.race[message.side]
+        for event in message.events:
+            run.apply(event)
+        self._table_when_quiet()
+        self.mark_dirty()
+
+    @on(TableLine)
+    def _table_line(self, message: TableLine) -> None:
+        if message.table_id != self._table_id:
+            return
+        line, table = message.line, self.table
+        kind = line.get("kind")
+        if kind == "header":
+            table.header = line
+        elif kind == "row" and isinstance(line.get("key"), str):
+            racing = any(r.state in ("running", "paused") for r in self.race.values())
+            table.rows[line["key"]] = {**line, "raced": racing or self.run.state == "running"}
+        elif kind == "failed":
+            table.failed = str(line.get("message") or "the table could not be measured")
+        elif kind == "done":
+            table.done = True
+        self.mark_dirty()
+
+    # --- drawing -----------------------------------------------------------------------------
+
+    def redraw(self) -> None:
+        self.query_one("#tricks-table", Static).update(self._table())
+        self.query_one("#tricks-caption", Static).update(self._caption())
+        self.query_one("#race-title", Static).update(self._race_title())
+        for side in SIDES:
+            self._show_side(side)
+        self.query_one("#answer", Static).update(self._answer())
+        self.query_one("#answer-more", Static).update(self._references())
+
+    def _table(self) -> RenderableType:
+        table = Table(box=None, pad_edge=False, show_edge=False, padding=(0, 1), expand=False)
+        table.add_column("trick", no_wrap=True)
+        for name in ("B/token", "stops at", "reach", "Δnats/B", "top-1", "speed"):
+            table.add_column(name, justify="right", no_wrap=True)
+        rows, plain = self.table.rows, self.table.rows.get("plain")
+        measuring = next((r.key for r in TABLE_ROWS if r.key not in rows), None)
+        for spec in TABLE_ROWS:
+            row = rows.get(spec.key)
+            if row is None:
+                running = spec.key == measuring and self.table.started and not self.table.failed
+                words = Text("measuring…" if running else "waiting", style="dim italic")
+                table.add_row(Text(SHORT_LABELS.get(spec.key, spec.label)), words, *[""] * 5)
+                continue
+            table.add_row(*_cells(row, plain))
+        return table
+
+    def _caption(self) -> Text:
+        table = self.table
+        if table.failed:
+            return Text(f"Table: {safe_text(table.failed, one_line=True)}")
+        header = table.header or {}
+        budget, cpu = header.get("kv_budget_bytes"), header.get("cpu_capability")
+        if parse_engine(table.engine or "tiny").kind == "sim":
+            how = "modelled (sim:)"
+        else:
+            how = f"measured here{f' (CPU {cpu})' if cpu else ''}"
+        pool = f"{format_bytes(budget)} pool" if isinstance(budget, int) else "one pool"
+        raced = any(row.get("raced") for row in table.rows.values())
+        if not table.started:
+            return Text(
+                f"{how}: the table is measured once the race ends (its speeds want the CPU)"
+            )
+        return Text(
+            f"{how}, {pool} · ✓ = formula, prediction · reach: vs plain · Δ, top-1: held-out "
+            "text · speed: vs plain" + (" (*: beside a race)" if raced else "")
+        )
+
+    def _race_title(self) -> Text:
+        words = Text()
+        words.append("RACE", style="bold")
+        if not self.race:
+            words.append(" on kvtui's own engines only (tiny, shape:, sim:)")
+            return words
+        how = self.race["plain"].how
+        budget = self.race["plain"].settings.kv_budget_bytes or 0
+        words.append(
+            f"{f' ({how})' if how else ''}: plain vs {self.race_variant.words}, "
+            f"{format_bytes(budget)} pool each"
+        )
+        if self._race_paused:
+            words.append(" · paused", style="bold")
+        return words
+
+    def _show_side(self, side: str) -> None:
+        pool_line = self.query_one(f"#pool-{side}", PoolLine)
+        stream = self.query_one(f"#stream-{side}", TokenStream)
+        run = self.race.get(side)
+        stream.border_title = "plain cache" if side == "plain" else self.race_variant.words
+        if run is None:
+            pool_line.show(0, "", False)
+            stream.show("", "", 0)
+            return
+        trace, live = run.loop("cached"), run.pool()
+        full = bool(live and live.full)
+        if live is None:
+            pool_line.show(0, "waiting for the engine", False)
+        else:
+            held, cap = live.allocated_bytes, live.pool.capacity_bytes
+            state = "FULL" if full else "done" if live.freed else f"{trace.steps:,} tok"
+            words = f"{format_bytes(held)}/{format_bytes(cap)} {state}"
+            pool_line.show(held / cap if cap else 0, words, full)
+        stream.show(trace.text, trace.last_text, trace.steps, prompt=run.prompt_text)
+        finished = trace.finished
+        if full:
+            stream.border_subtitle = f"stopped at {trace.steps:,}: pool full"
+        elif finished is not None and finished.reason == "done":
+            stream.border_subtitle = f"all {trace.steps:,} tokens"
+        elif run.failure:
+            stream.border_subtitle = safe_text(run.failure, one_line=True)[:40]
+        stream.set_class(full, "-full")
+
+    def _answer(self) -> Text:
+        """The lesson's closing question, followed up: what would you change to continue the
+        chat? Answered with what was measured here."""
+        words = Text()
+        words.append("To continue the chat: ", style="bold")
+        rows, plain = self.table.rows, self.table.rows.get("plain")
+        parts = [
+            f"{_short(rows[key])} {_reach(rows[key], plain)}{_cost(rows[key])}"
+            for key in ("int8", "fp8", "window", "mqa")
+            if key in rows and plain is not None
+        ]
+        if plain is None or not parts:
+            words.append(
+                "keep each token in fewer bytes, keep fewer tokens, or share them; the table "
+                "measures what each buys on this pool, and what it costs."
+            )
+            return words
+        words.append(
+            f"where the plain cache stops at {format_int(plain.get('steps', 0))} tokens, "
+            + "; ".join(parts)
+            + ("." if self.table.done else "; measuring the rest.")
+        )
+        return words
+
+    def _references(self) -> Text:
+        """The published figures about the racing trick, labelled as references."""
+        key = self.race_variant.reference
+        refs = references(key) if key else []
+        words = Text()
+        if refs:
+            words.append("Published, a reference (not measured here): ", style="italic")
+            words.append("; ".join(r.short or r.claim for r in refs))
+        return words
+
+
+# --- the table's cells ---------------------------------------------------------------------------
+
+
+def _short(row: dict[str, Any]) -> str:
+    return {"fp8": "fp8", "int8": "int8", "window": "a window", "mqa": "1 KV head"}.get(
+        str(row.get("key")), str(row.get("label", ""))
+    )
+
+
+def _reach(row: dict[str, Any], plain: dict[str, Any] | None) -> str:
+    """How far the same pool takes the trick, against the plain cache: "5.4x the tokens", or
+    "never fills" (a window)."""
+    predicted = row.get("tokens_before_full_predicted")
+    if predicted is None:
+        return "never fills"
+    base = (plain or {}).get("steps") or 0
+    return f"{format_ratio(predicted / base)} the tokens" if base else ""
+
+
+def _cost(row: dict[str, Any]) -> str:
+    q = row.get("quality")
+    if not isinstance(q, dict):
+        return ""
+    delta = q.get("nats_per_byte", 0.0) - q.get("nats_per_byte_baseline", 0.0)
+    return f" ({delta:+.4f} nats/B)"
+
+
+def _cells(row: dict[str, Any], plain: dict[str, Any] | None) -> list[Text]:
+    """One row of the table as cells; a row of formulas is dimmed."""
+    label = Text(SHORT_LABELS.get(str(row.get("key")), str(row.get("label", ""))))
+    formula, measured = row.get("kv_bytes_per_token_formula"), row.get("kv_bytes_per_token")
+    predicted = row.get("tokens_before_full_predicted")
+    base = (plain or {}).get("steps")
+    if row.get("baseline"):  # a batch: against the plain cache at the same batch
+        base = row["baseline"].get("steps")
+    reach = Text("")
+    if plain is not None and row.get("key") != "plain":
+        if predicted is None:
+            reach = Text("∞")
+        elif base:
+            reach = Text(format_ratio(predicted / base))
+        elif base == 0:
+            reach = Text(f"0 → {format_int(predicted)}")
+    if row.get("how") == "formula":
+        dim = "dim"
+        reach.stylize(dim)
+        label.stylize(dim)
+        return [
+            label,
+            Text(format_int(formula or 0), style=dim),
+            Text(format_int(predicted or 0), style=dim),
+            reach,
+            Text("-", style=dim),
+            Text("-", style=dim),
+            Text("-", style=dim),
+        ]
+    per_token = Text(format_int(measured) if isinstance(measured, int) else "?")
+    if measured == formula:
+        per_token.append(" ✓", style="bold")
+    steps = row.get("steps") or 0
+    if row.get("stopped"):
+        stops = Text(format_int(steps))
+        if steps == predicted:
+            stops.append(" ✓", style="bold")
+    else:
+        stops = Text("never" if predicted is None else f"{format_int(steps)}+")
+    q = row.get("quality")
+    if isinstance(q, dict):
+        delta = Text(f"{q['nats_per_byte'] - q['nats_per_byte_baseline']:+.4f}")
+        top1 = Text(f"{q['top1_agreement']:.0%}")
+    else:
+        delta = Text("ref" if row.get("key") == "plain" else "-", style="dim")
+        top1 = Text("")
+    speed = Text("")
+    tpot = (row.get("speed") or {}).get("tpot_first_steps_s")
+    base_speed = (plain or {}).get("speed") or {}
+    if row.get("baseline"):
+        base_speed = row["baseline"].get("speed") or {}
+    base_tpot = base_speed.get("tpot_first_steps_s")
+    if tpot and base_tpot:
+        speed = Text(format_ratio(base_tpot / tpot) + ("*" if row.get("raced") else ""))
+    return [label, per_token, stops, reach, delta, top1, speed]
