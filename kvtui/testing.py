@@ -50,7 +50,9 @@ from textual.pilot import Pilot
 from kvtui.app import EngineFactory, EngineHandle, KVApp, make_app
 from kvtui.engine.protocol import Event, RunFailed, RunSettings, StepSource, run_events
 from kvtui.engine.spec import open_engine, parse_engine
+from kvtui.engine.table import InProcessTable
 from kvtui.screens.base import LessonScreen
+from kvtui.screens.tricks import TableFactory
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.header import RunHeader
 
@@ -503,8 +505,9 @@ async def headless(
     engine: EngineFactory | Sequence[Event] | None = None,
     probe: dict[str, Any] | None = None,
     autostart: bool = True,
+    table: TableFactory | None = None,
 ) -> AsyncIterator[HeadlessRun]:
-    """kvtui headless at `size`, on `screen` (1, 2 or 3), running `settings` (or an engine name):
+    """kvtui headless at `size`, on `screen` (1 to 4), running `settings` (or an engine name):
 
         async with headless(RunSettings(engine="sim:llama-3.1-8b@h100", tokens=24), 2) as run:
             await run.until_done()
@@ -514,8 +517,10 @@ async def headless(
     settings name in this process (`ScriptedEngine.from_settings`: `sim:` or `replay:`; a torch
     engine is a ValueError now, and one chosen later in the app fails that run, as an engine that
     cannot start does); a list of events plays them for every run (`ScriptedEngine`); or an
-    engine factory, `RunSettings -> EngineHandle`, is called for every run. `probe` is the device
-    the app is told it runs on (default NO_GPU_PROBE: the same text on every machine)."""
+    engine factory, `RunSettings -> EngineHandle`, is called for every run (screen 4's race too).
+    `probe` is the device the app is told it runs on (default NO_GPU_PROBE: the same text on
+    every machine). `table` measures screen 4's table (default: `InProcessTable`, in this
+    process: `sim:` engines; a torch engine's table says it runs elsewhere)."""
     if isinstance(settings, str):
         settings = RunSettings(engine=settings)
     if engine is None:
@@ -542,6 +547,7 @@ async def headless(
         probe=dict(probe if probe is not None else NO_GPU_PROBE),
         engine_factory=started,
         autostart=autostart,
+        table_factory=table or InProcessTable,
     )
     async with drive(app, size, engines=engines) as run:
         yield run

@@ -486,10 +486,12 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     widths = [max(len(r[i]) for r in (head, *lines_out)) for i in range(len(head))]
     budget = format_bytes(header["kv_budget_bytes"])
     baseline = next((r["quality"] for r in rows if r.get("quality")), None)
+    modelled = any(row.get("how") == "modelled" for row in rows)
     lines = [
         f"{header['engine']}: every trick under a {budget} KV pool, {header['tokens']:,} tokens "
         f"asked, greedy, cached loop"
         + (f" (CPU {header['cpu_capability']})" if header.get("cpu_capability") else "")
+        + (": MODELLED (roofline arithmetic), not measured" if modelled else "")
     ]
     lines += [
         "  "

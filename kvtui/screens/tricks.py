@@ -248,6 +248,8 @@ class TricksScreen(LessonScreen):
         self._race_id = self._table_id = 0
         self._race_paused = False
         self._table_handle: TableHandle | None = None
+        self._shown = False
+        """Whether the screen has been shown: its race and table start then, not before."""
 
     def compose_body(self) -> ComposeResult:
         yield Static("", id="tricks-table")
@@ -288,6 +290,7 @@ class TricksScreen(LessonScreen):
 
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
+        self._shown = True
         if not self.race:
             self.start_race()
         self._table_when_quiet()
@@ -297,17 +300,22 @@ class TricksScreen(LessonScreen):
         """Whether a race engine is still going."""
         return any(run.state in ("starting", "running", "paused") for run in self.race.values())
 
+    @property
+    def quiet(self) -> bool:
+        """Whether nothing else is decoding: no race, and the main run done (or paused)."""
+        return not self.racing and self.run.state not in ("starting", "running")
+
     def _table_when_quiet(self) -> None:
-        """Measure the table (again, for another engine) once no race is running: its speeds
+        """Measure the table (again, for another engine) once nothing else decodes: its speeds
         want the CPU to themselves."""
         stale = not self.table.started or self.table.engine != self.run.settings.engine
-        if stale and not self.racing and self.is_current:
+        if stale and self.quiet and self.is_current:
             self.start_table()
 
     def follow_run(self, run: LiveRun) -> None:
-        """Measure the table again when the main run's engine changes (another model), once
-        this screen has been shown and no race runs."""
-        if self.table.started:
+        """Measure the table once the main run is done, and again when its engine changes
+        (another model), once this screen has been shown and nothing else decodes."""
+        if self._shown:
             self._table_when_quiet()
 
     def _race_settings(self) -> dict[str, RunSettings]:
@@ -315,18 +323,17 @@ class TricksScreen(LessonScreen):
         loop only, one budget; the trick's fields on one of them."""
         base = self.run.settings
         variant = self.race_variant
-        common = replace(
-            base,
-            loops=("cached",),
-            lesson=False,
-            batch=1,
-            kv_cache_dtype="auto",
-            kv_window=None,
-            kv_sinks=0,
-            enable_prefix_caching=False,
-            kv_heads=None,
-            **variant.both,
-        )
+        plain: dict[str, Any] = {
+            "loops": ("cached",),
+            "lesson": False,
+            "batch": 1,
+            "kv_cache_dtype": "auto",
+            "kv_window": None,
+            "kv_sinks": 0,
+            "enable_prefix_caching": False,
+            "kv_heads": None,
+        }
+        common = replace(base, **{**plain, **variant.both})
         common = replace(common, kv_budget_bytes=base.kv_budget_bytes or default_budget(common))
         started = self.run.started
         positions = started.max_positions if started and started.max_positions else None
@@ -455,8 +462,7 @@ class TricksScreen(LessonScreen):
         if kind == "header":
             table.header = line
         elif kind == "row" and isinstance(line.get("key"), str):
-            racing = any(r.state in ("running", "paused") for r in self.race.values())
-            table.rows[line["key"]] = {**line, "raced": racing or self.run.state == "running"}
+            table.rows[line["key"]] = {**line, "raced": not self.quiet}
         elif kind == "failed":
             table.failed = str(line.get("message") or "the table could not be measured")
         elif kind == "done":
@@ -504,12 +510,10 @@ class TricksScreen(LessonScreen):
         pool = f"{format_bytes(budget)} pool" if isinstance(budget, int) else "one pool"
         raced = any(row.get("raced") for row in table.rows.values())
         if not table.started:
-            return Text(
-                f"{how}: the table is measured once the race ends (its speeds want the CPU)"
-            )
+            return Text(f"{how}: measured once nothing else decodes (its speeds want the CPU)")
         return Text(
             f"{how}, {pool} · ✓ = formula, prediction · reach: vs plain · Δ, top-1: held-out "
-            "text · speed: vs plain" + (" (*: beside a race)" if raced else "")
+            "text · speed: vs plain" + (" (*: beside another run)" if raced else "")
         )
 
     def _race_title(self) -> Text:

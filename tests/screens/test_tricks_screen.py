@@ -1,0 +1,84 @@
+"""Screen 4, driven as a user does: the tricks' table fills row by row from its own (here
+in-process, `sim:`) measurement, the race's plain cache turns red and stops before the trick, the
+keys pick the trick and its setting, and the essentials fit 80x24."""
+
+from kvtui.engine.protocol import RunSettings
+from kvtui.screens.tricks import PoolLine, TricksScreen
+from kvtui.testing import headless
+from kvtui.widgets.stream import TokenStream
+
+SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=24, replay_speed=0)
+
+
+def _screen(run) -> TricksScreen:
+    screen = run.app.screen
+    assert isinstance(screen, TricksScreen)
+    return screen
+
+
+async def _race_and_table_done(run) -> TricksScreen:
+    screen = _screen(run)
+    await run.wait_for(lambda: screen.race and not screen.racing)
+    await run.wait_for(lambda: screen.table.done or screen.table.failed)
+    await run.settle()
+    return screen
+
+
+async def test_the_table_and_the_race_fit_80x24_and_say_where_each_figure_came_from():
+    async with headless(SIM, screen=4, size=(80, 24)) as run:
+        screen = await _race_and_table_done(run)
+        text = run.text()
+        lines = text.splitlines()
+        assert len(lines) <= 24 and max(len(line) for line in lines) <= 80
+        assert not screen.table.failed and len(screen.table.rows) == 8
+        for label in ("plain cache", "fp8", "int8", "window 124+4 sinks", "MHA (by formula)"):
+            assert label in text, label
+        assert "waiting" not in text and "measuring…" not in text
+        assert "modelled (sim:)" in text  # every figure says how it was had
+        assert "RACE (modelled): plain vs fp8" in text
+        assert "To continue the chat:" in text and "the tokens" in text
+        plain, trick = screen.race["plain"], screen.race["trick"]
+        assert plain.pool().full and trick.loop("cached").steps > plain.loop("cached").steps
+        assert screen.query_one("#pool-plain", PoolLine).has_class("-full")
+        assert "stopped at" in (
+            screen.query_one("#stream-plain", TokenStream).border_subtitle or ""
+        )
+        fp8 = screen.table.rows["fp8"]
+        assert fp8["tokens_before_full_predicted"] == fp8["steps"]  # the stop, as predicted
+        assert "✓" in text
+
+
+async def test_keys_pick_the_trick_and_its_setting_and_race_again():
+    async with headless(SIM, screen=4, size=(100, 30)) as run:
+        screen = await _race_and_table_done(run)
+        first = screen._race_id
+        await run.press("k")
+        await run.wait_for(lambda: screen.race and not screen.racing)
+        await run.settle()
+        assert screen.race_variant.words.startswith("window") and screen._race_id == first + 1
+        assert "plain vs window 124 + 4 sinks" in run.text()
+        window = screen.race["trick"]
+        assert window.settings.kv_window == 128 and window.settings.tokens == 6000
+        assert window.loop("cached").steps == 6000  # past the model's own positions? 8B: 131K
+        assert not window.pool().full  # a window the pool holds never fills
+        await run.press("plus")
+        await run.wait_for(lambda: screen.race and not screen.racing)
+        assert screen.race["trick"].settings.kv_sinks == 0
+        await run.press("k", "k")
+        await run.wait_for(lambda: screen.race and not screen.racing)
+        await run.settle()
+        assert screen.race["trick"].settings.kv_heads == 1
+        assert "Published, a reference (not measured here)" in run.text()  # 100x30: room
+        before = screen._race_id
+        await run.press("r")
+        assert screen._race_id == before + 1
+
+
+async def test_an_engine_that_keeps_its_own_cache_has_no_tricks_and_says_so():
+    async with headless(SIM, screen=4, size=(80, 24)) as run:
+        screen = _screen(run)
+        await run.wait_for(lambda: screen.table.started)
+        run.app.restart_with("hf:/nowhere")  # an engine that keeps its own cache
+        await run.wait_for(lambda: screen.table.engine == "hf:/nowhere")
+        await run.settle()
+        assert "kvtui's own engines" in run.text()
