@@ -16,7 +16,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
 [b]2[/b] With the cache each step computes one new position and reads the rest.
 [b]3[/b] The cache grows with each token and sequence until its memory runs out.
 [b]Device[/b] {device}
-  1 2 3        switch screen
+  1 2 3 4      switch screen; on 4, k + - r: race a trick, its setting, again
   space        pause / resume the engine
   ← → - +      answer length (1, 2; shift+← → halve, double); context (3)
   r            run again, exactly the chosen length

@@ -153,6 +153,9 @@ class MemoryScreen(LessonScreen):
         self._gpu_chosen = self._model_chosen = False
         self._followed = ""
         """The engine the what-if last followed."""
+        self._followed_kv = "auto"
+        """The run's --kv-cache-dtype the what-if last followed."""
+        self._kv_chosen = False
         self._own_model: ModelSpec | None = None
         """The running `--model DIR`'s shape, read from its config.json, once it has run."""
 
@@ -225,6 +228,7 @@ class MemoryScreen(LessonScreen):
         self.gpu = self._next(gpu_names(), self.gpu)
 
     def action_next_kv_dtype(self) -> None:
+        self._kv_chosen = True
         self.kv_dtype = self._next(dtype_names(), self.kv_dtype)
 
     def action_next_batch(self) -> None:
@@ -354,6 +358,10 @@ class MemoryScreen(LessonScreen):
         """Start the what-if from the running model (and a `sim:` engine's GPU), unless the
         presenter chose them by hand; once per run's engine. A watcher of the run, not part of
         drawing."""
+        cache_dtype = run.settings.kv_cache_dtype  # the run's --kv-cache-dtype, unless k chose one
+        if cache_dtype != self._followed_kv and not self._kv_chosen:
+            self._followed_kv = cache_dtype
+            self.kv_dtype = cache_dtype if cache_dtype != "auto" else LESSON_BUDGET.kv_dtype
         engine = run.settings.engine
         if engine == self._followed:
             return

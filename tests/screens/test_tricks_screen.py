@@ -82,3 +82,14 @@ async def test_an_engine_that_keeps_its_own_cache_has_no_tricks_and_says_so():
         await run.wait_for(lambda: screen.table.engine == "hf:/nowhere")
         await run.settle()
         assert "kvtui's own engines" in run.text()
+
+
+async def test_screen_3s_what_if_follows_the_runs_kv_cache_dtype():
+    settings = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=8, kv_cache_dtype="fp8")
+    async with headless(settings, screen=3, size=(100, 30)) as run:
+        await run.until_done()
+        assert "KV fp8 (k)" in run.text()
+        assert run.card("kv").note == "64 KiB/token"  # llama-3.1-8b: 128 KiB in bf16
+        await run.press("k")  # a dtype chosen by hand stays chosen
+        await run.settle()
+        assert "KV int8 (k)" in run.text()
