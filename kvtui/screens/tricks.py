@@ -200,7 +200,7 @@ class PoolLine(Widget):
 class TricksScreen(LessonScreen):
     """The tricks' table, measured, and one trick racing the plain cache on the same pool."""
 
-    TITLE_TEXT = "4 · Stretching the cache: what each trick buys, measured here"
+    TITLE_TEXT = "4 · Stretching the cache: what each trick buys, and what it costs"
 
     BINDINGS = [
         Binding("k", "next_trick(1)", "Trick", key_display="k"),
@@ -651,9 +651,12 @@ def _cells(row: dict[str, Any], plain: dict[str, Any] | None) -> list[Text]:
             Text("-", style=dim),
             Text("-", style=dim),
         ]
-    per_token = Text(format_int(measured) if isinstance(measured, int) else "?")
-    if measured == formula:
-        per_token.append(" ✓", style="bold")
+    if isinstance(measured, int):  # from the cache's tensors
+        per_token = Text(format_int(measured))
+        if measured == formula:
+            per_token.append(" ✓", style="bold")
+    else:  # modelled (sim:): the formula is all there is
+        per_token = Text(format_int(formula) if isinstance(formula, int) else "?")
     steps = row.get("steps") or 0
     if row.get("stopped"):
         stops = Text(format_int(steps))
