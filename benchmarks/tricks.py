@@ -36,14 +36,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
 from kvtui.engine.protocol import RunSettings  # noqa: E402
-from kvtui.engine.table import format_tricks, run_table, table_header  # noqa: E402
-from kvtui.gpu.load import load_tiny, ready_to_decode  # noqa: E402
-from kvtui.gpu.quality import (  # noqa: E402
-    _greedy,
+from kvtui.engine.quality import (  # noqa: E402
     forced_logits,
+    greedy_tokens_of,
     nats_by_position,
     shared_prefix_logits,
 )
+from kvtui.engine.table import format_tricks, run_table, table_header  # noqa: E402
+from kvtui.gpu.load import load_tiny, ready_to_decode  # noqa: E402
 from kvtui.gpu.tricks import average_kv_heads  # noqa: E402
 from kvtui.sim.tricks import KVLayout  # noqa: E402
 from kvtui.training.corpus import austen_novels, train_val_split  # noqa: E402
@@ -89,8 +89,8 @@ def split_quality(model, trick_model, layout: KVLayout, windows, prompts: int, g
     firsts = []
     for w in windows[:prompts]:
         prompt = w[:, :64]
-        plain = _greedy(model, prompt, greedy, None)
-        tricked = _greedy(trick_model, prompt, greedy, layout)
+        plain = greedy_tokens_of(model, prompt, greedy, None)
+        tricked = greedy_tokens_of(trick_model, prompt, greedy, layout)
         firsts.append(
             next((i for i, (a, b) in enumerate(zip(plain, tricked, strict=True)) if a != b), None)
         )

@@ -80,7 +80,7 @@ class _Collected:
     text: dict[str, list[str]] = field(default_factory=lambda: {"cached": [], "uncached": []})
     text_chars: dict[str, int] = field(default_factory=lambda: {"cached": 0, "uncached": 0})
     quality: dict[str, dict[str, Any] | None] = field(default_factory=dict)
-    """Per loop, what its cache layout costs in quality (kvtui.gpu.quality), where measured."""
+    """Per loop, what its cache layout costs in quality (kvtui.engine.quality), where measured."""
 
     def add_text(self, s: StepSample) -> None:
         done = self.text_chars[s.loop]

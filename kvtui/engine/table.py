@@ -4,7 +4,7 @@ budget beside the plain cache, one row each, without a UI.
 A row is one `kvtui bench` of the cached loop (kvtui.engine.bench, so its figures are folded as the
 bench's and the screens' are) with one trick of kvtui.sim.tricks: its bytes per token measured
 from the cache's tensors beside the formula's, where the pool stopped it against where the trick's
-own C - P + 1 says it would, what it costs in quality (kvtui.gpu.quality, measured on held-out
+own C - P + 1 says it would, what it costs in quality (kvtui.engine.quality, measured on held-out
 text), and its speed (tokens per second, the first token's time, a later token's over the same
 first SPEED_STEPS steps as the plain cache's). Multi-head attention is a row of formulas: the
 shipped model has 2 key/value heads, and a model with 8 would have to be trained.

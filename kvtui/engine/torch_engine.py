@@ -414,13 +414,13 @@ class DecoderEngine(TorchEngine):
     is measured against); None: `model` is the shipped one."""
 
     def measure_quality(self, loop: Loop, text_bytes: int) -> dict[str, Any] | None:
-        """What this loop's cache layout costs in quality (kvtui.gpu.quality) on the first
+        """What this loop's cache layout costs in quality (kvtui.engine.quality) on the first
         `text_bytes` of the shipped held-out text: the cached loop keeps the run's layout, the
         uncached loop none (its model, averaged heads and all, is what it costs). None for a
         model whose tokens are not bytes of text (`shape:`, random weights)."""
         if not self.byte_level:
             return None
-        from kvtui.gpu.quality import heldout_ids, measure_quality
+        from kvtui.engine.quality import heldout_ids, measure_quality
 
         layout = self.settings.layout if loop == "cached" else KVLayout()
         ids = heldout_ids(text_bytes, self.device)

@@ -365,10 +365,6 @@ class LayoutKVCache:
     # --- what the cache holds ----------------------------------------------------------------
 
     @property
-    def blocks_held(self) -> int:
-        return self.pool.taken
-
-    @property
     def shared_positions(self) -> int:
         """Positions held once for more than one sequence, counted once for each extra holder."""
         bt, extra = self.block_tokens, 0

@@ -230,7 +230,7 @@ def test_sharing_changes_no_value_and_no_token(small_model):
     sharing are the same; the logits differ only as far as torch's kernels round a batch of 4
     and a batch of 1 differently (about 1e-7 here), sharing or not."""
     B, P = 4, 45
-    prompt = encode = _ids(1, P)
+    prompt = _ids(1, P)
     kv = setup_layout_caches(small_model, B, P, KVLayout(prefix_caching=True), block_tokens=16)
     with torch.inference_mode():
         prefill_shared(small_model, prompt.expand(B, -1))
@@ -240,7 +240,7 @@ def test_sharing_changes_no_value_and_no_token(small_model):
     small_model.drop_caches()
     alone = small_model.setup_caches(1, P, block_tokens=16)
     with torch.inference_mode():
-        small_model(encode, 0, use_cache=True)
+        small_model(prompt, 0, use_cache=True)
     for (k1, v1), layer in zip(shared_keys, alone.layers, strict=True):
         k2, v2 = layer.read()
         assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kvtui.engine.loops import Sampling, generate, never
 from kvtui.gpu.model import Transformer
 from kvtui.gpu.tricks import prefill_shared, setup_layout_caches
 from kvtui.paths import HELDOUT_TEXT, asset_path
@@ -111,11 +112,11 @@ def shared_prefix_logits(model: Transformer, ids: Tensor, layout: KVLayout, pref
         model.drop_caches()
 
 
-def _greedy(model: Transformer, prompt: Tensor, n: int, layout: KVLayout | None) -> list[int]:
+def greedy_tokens_of(
+    model: Transformer, prompt: Tensor, n: int, layout: KVLayout | None
+) -> list[int]:
     """`n` greedy tokens after `prompt` `(1, P)` through the cached loop (a shared prefix: the
     second of two sequences), as the engine decodes."""
-    from kvtui.engine.loops import Sampling, generate, never
-
     rows = prompt.expand(2, -1) if layout is not None and layout.prefix_caching else prompt
     steps = generate(
         model, rows, n, Sampling(greedy=True), cache=True, flops_at=never, layout=layout
@@ -161,8 +162,8 @@ def measure_quality(
     kl = (base_logp.exp() * (base_logp - trick_logp)).sum(-1).mean().item()
     top1 = (base_logp.argmax(-1) == trick_logp.argmax(-1)).float().mean().item()
     prompt = ids[:, : min(greedy_prompt, N)]
-    plain = _greedy(baseline, prompt, greedy_tokens, None)
-    tricked = _greedy(model, prompt, greedy_tokens, cache_layout)
+    plain = greedy_tokens_of(baseline, prompt, greedy_tokens, None)
+    tricked = greedy_tokens_of(model, prompt, greedy_tokens, cache_layout)
     first = next((i for i, (a, b) in enumerate(zip(plain, tricked, strict=True)) if a != b), None)
     return Quality(
         nats_per_byte=nll,
