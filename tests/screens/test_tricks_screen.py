@@ -53,16 +53,15 @@ async def test_keys_pick_the_trick_and_its_setting_and_race_again():
         screen = await _race_and_table_done(run)
         first = screen._race_id
         await run.press("k")
-        await run.wait_for(lambda: screen.race and not screen.racing)
+        await run.wait_for(lambda: screen.race["plain"].pool() and screen.race["plain"].pool().full)
         await run.settle()
         assert screen.race_variant.words.startswith("window") and screen._race_id == first + 1
         assert "plain vs window 124 + 4 sinks" in run.text()
         window = screen.race["trick"]
         assert window.settings.kv_window == 128 and window.settings.tokens == 6000
-        assert window.loop("cached").steps == 6000  # past the model's own positions? 8B: 131K
-        assert not window.pool().full  # a window the pool holds never fills
+        await run.wait_for(lambda: window.loop("cached").steps > 400)
+        assert not window.pool().full  # a window the pool holds never fills: it goes on
         await run.press("plus")
-        await run.wait_for(lambda: screen.race and not screen.racing)
         assert screen.race["trick"].settings.kv_sinks == 0
         await run.press("k", "k")
         await run.wait_for(lambda: screen.race and not screen.racing)
