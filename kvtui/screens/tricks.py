@@ -364,13 +364,13 @@ class TricksScreen(LessonScreen):
         self.mark_dirty()
 
     def _close_race(self) -> None:
+        """Stop both race engines: the workers are told and close them as they leave."""
         self.workers.cancel_group(self, "race")
         self._handles.clear()
 
     def start_table(self) -> None:
         """(Re)measure the table on the main run's engine."""
-        if self._table_handle is not None:
-            self.workers.cancel_group(self, "table")
+        self._close_table()
         self._table_id += 1
         engine = self.run.settings.engine
         self.table = TableState(engine=engine, started=True)
@@ -386,7 +386,15 @@ class TricksScreen(LessonScreen):
 
     def on_unmount(self) -> None:
         self._close_race()
+        self._close_table()
+
+    def _close_table(self) -> None:
+        """Stop measuring: the worker is told, and the process ended (its reader may be waiting
+        on a line that would not come for a minute)."""
         self.workers.cancel_group(self, "table")
+        handle, self._table_handle = self._table_handle, None
+        if handle is not None:
+            handle.close(timeout=0.5)
 
     # --- the workers -------------------------------------------------------------------------
 
