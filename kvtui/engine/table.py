@@ -519,10 +519,12 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     for row in rows:
         if row.get("baseline"):
             b = row["baseline"]
+            unshared = row["batch"] * row["prompt_tokens"]
             lines.append(
                 f"  {row['label']}: plain at the same batch stops at {b['steps']:,} "
-                f"(predicted {b['tokens_before_full_predicted']:,}); its prefill computed "
-                f"{row['first_step_positions']:,} positions against {b['first_step_positions']:,}"
+                f"(predicted {b['tokens_before_full_predicted']:,}); the shared prefill computed "
+                f"{row['first_step_positions']:,} positions (measured) of the {unshared:,} "
+                "its sequences' prompts hold"
             )
         if row["how"] == "formula":
             lines.append(f"  {row['label']}: by the formula alone (no such model here)")
