@@ -421,6 +421,7 @@ def child_main() -> int:
 
     try:
         settings = RunSettings.from_json(json.loads(sys.stdin.readline()))
+        check_table(table_base(settings))  # a run no row could make costs no torch import
         emit("header", table_header(settings))
         for row in run_table(settings):
             emit("row", row)

@@ -20,6 +20,7 @@ from kvtui.engine.protocol import (
 )
 from kvtui.engine.spec import check_run, open_engine
 from kvtui.engine.summary import summarize_events
+from kvtui.engine.table import TABLE_ROWS, TableProcess
 from kvtui.sim.pool import KVPool
 from kvtui.sim.tricks import KVLayout, tokens_before_full
 
@@ -222,3 +223,31 @@ def test_budget_takes_vllms_kv_cache_dtype(capsys):
     assert int8["kv_bytes_per_token"] == fp8["kv_bytes_per_token"] + 32 * 2 * 8 * 2
     assert fp8["kv_capacity_tokens"] > 1.9 * bf16["kv_capacity_tokens"]
     assert main([*base, "--kv-cache-dtype", "fp8", "--kv-dtype", "bf16"]) == 2
+
+
+def test_kvtui_tricks_models_every_row_on_sim_and_refuses_what_keeps_its_own_cache(capsys):
+    args = ["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "600", "--json"]
+    assert main(args) == 0
+    table = json.loads(capsys.readouterr().out)
+    rows = {row["key"]: row for row in table["rows"]}
+    assert list(rows) == [r.key for r in TABLE_ROWS]
+    assert table["kv_budget_bytes"] == 32 * 2**20  # 160 tokens of 128 KiB, a power of two
+    for key in ("plain", "fp8", "int8", "prefix"):
+        assert rows[key]["steps"] == rows[key]["tokens_before_full_predicted"], key
+    assert rows["fp8"]["kv_bytes_per_token_formula"] * 2 == 131_072
+    assert rows["window"]["tokens_before_full_predicted"] is None and not rows["window"]["stopped"]
+    assert rows["mha"]["how"] == "formula" and rows["mha"]["kv_bytes_per_token_formula"] == 524_288
+    assert all(row["how"] in ("modelled", "formula") for row in rows.values())
+    assert main(["tricks", "--engine", "hf:/nowhere"]) == 2
+    assert "kvtui's own engines" in capsys.readouterr().err
+
+
+def test_the_tables_process_says_why_it_cannot_run_in_one_line():
+    table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
+    table.start()
+    try:
+        lines = list(table.lines())
+    finally:
+        table.close()
+    assert [line["kind"] for line in lines] == ["failed"]
+    assert "replay:" in lines[0]["message"]
