@@ -179,7 +179,11 @@ def cmd_tricks(args: argparse.Namespace) -> int:
     )
     try:
         header = table_header(settings)
-        rows = list(run_table(settings, quality_bytes=args.quality_bytes, progress=progress))
+        by_key = {  # a row comes again once its speed is timed in turns
+            row["key"]: row
+            for row in run_table(settings, quality_bytes=args.quality_bytes, progress=progress)
+        }
+        rows = list(by_key.values())
     except EngineError as exc:
         raise UsageError(f"kvtui tricks: {exc}") from None
     finally:

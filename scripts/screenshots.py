@@ -1,8 +1,9 @@
-"""Save SVG screenshots of the three screens and presenter mode (docs/) from a real run of the
-shipped model.
+"""Save SVG screenshots of the screens and presenter mode (docs/) from a real run of the shipped
+model.
 
 python scripts/screenshots.py                      # tiny engine, 120x36, after the run ends
 python scripts/screenshots.py --engine sim:llama-3.1-8b@h100 --size 100x30
+python scripts/screenshots.py --only 4 --size 100x30   # screen 4 once its table and race end
 """
 
 from __future__ import annotations
@@ -13,6 +14,24 @@ from pathlib import Path
 
 from kvtui.app import make_app
 from kvtui.engine.protocol import RunSettings
+
+
+async def shoot_tricks(settings: RunSettings, size: tuple[int, int], out: Path) -> None:
+    """Screen 4 once its race and its table (measured in their own processes) have ended."""
+    from kvtui.screens.tricks import TricksScreen
+
+    app = make_app(settings, screen=4)
+    async with app.run_test(size=size) as pilot:
+        screen = app.screen
+        assert isinstance(screen, TricksScreen)
+        for _ in range(1200):  # at most ten minutes
+            if screen.race and not screen.racing and (screen.table.done or screen.table.failed):
+                break
+            await asyncio.sleep(0.5)
+        screen.redraw_now()
+        await pilot.pause(0.5)
+        app.save_screenshot(str(out / "screen4.svg"))
+    app.close_engine()
 
 
 async def shoot(settings: RunSettings, size: tuple[int, int], out: Path) -> None:
@@ -45,13 +64,17 @@ def main() -> int:
     parser.add_argument("--lesson", action="store_true", help="a one-token prompt")
     parser.add_argument("--size", default="120x36")
     parser.add_argument("--out", type=Path, default=Path("docs"))
+    parser.add_argument("--only", choices=["1-3", "4"], default=None, help="these screens only")
     args = parser.parse_args()
     width, height = (int(v) for v in args.size.split("x"))
     args.out.mkdir(exist_ok=True)
     settings = RunSettings(
         engine=args.engine, tokens=args.tokens, seed=1, replay_speed=1.0, lesson=args.lesson
     )
-    asyncio.run(shoot(settings, (width, height), args.out))
+    if args.only != "4":
+        asyncio.run(shoot(settings, (width, height), args.out))
+    if args.only != "1-3":
+        asyncio.run(shoot_tricks(settings, (width, height), args.out))
     return 0
 
 

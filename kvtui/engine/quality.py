@@ -17,6 +17,7 @@ whole held-out split (benchmarks/tricks.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -175,6 +176,44 @@ def measure_quality(
         greedy_tokens=greedy_tokens,
         source=source,
     )
+
+
+def step_ms_in_turns(
+    ways: dict[str, tuple[Transformer, KVLayout | None]],
+    *,
+    rounds: int,
+    steps: int,
+    prompt_tokens: int = 44,
+) -> dict[str, list[float]]:
+    """Milliseconds per cached step of each way (a model and its cache layout; None: the plain
+    cache), the ways taking turns round after round, the order reversed every other round, so
+    that a shared machine's drift falls on all alike. Each round of each way: a prefill of
+    `prompt_tokens`, then `steps` one-token steps, timed together."""
+    prompt = torch.randint(0, 256, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    token = torch.tensor([[65]])
+
+    def ms(model: Transformer, layout: KVLayout | None) -> float:
+        n = prompt_tokens + steps
+        if layout is None:
+            model.setup_caches(1, n, block_tokens=BLOCK_TOKENS)
+        else:
+            setup_layout_caches(model, 1, n, layout, block_tokens=BLOCK_TOKENS)
+        try:
+            with torch.inference_mode():
+                model(prompt, 0, use_cache=True, last_only=True)
+                t0 = time.perf_counter()
+                for p in range(prompt_tokens, n):
+                    model(token, p, use_cache=True)
+                return 1e3 * (time.perf_counter() - t0) / steps
+        finally:
+            model.drop_caches()
+
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    names = list(ways)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name].append(ms(*ways[name]))
+    return times
 
 
 def nats_by_position(logits: Tensor, ids: Tensor, bucket: int) -> list[float]:

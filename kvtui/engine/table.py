@@ -266,17 +266,68 @@ def _shape(base: RunSettings) -> tuple[Any, str] | None:
     return None
 
 
+SPEED_ROUNDS = 7
+SPEED_STEPS = 128
+"""The layouts' steps timed in turns after the rows: rounds of this many cached steps each."""
+
+
+def speeds_in_turns(base: RunSettings) -> dict[str, float]:
+    """Each row's cached step against the plain cache's, the layouts taking turns so that a
+    shared machine's drift falls on all alike (kvtui.engine.quality.step_ms_in_turns): row key ->
+    the plain step's time over the row's (above 1: faster). kvtui's own torch engines only."""
+    import statistics
+
+    from kvtui.engine.quality import step_ms_in_turns
+    from kvtui.engine.torch_engine import open_torch_engine
+    from kvtui.gpu.load import ready_to_decode
+    from kvtui.gpu.tricks import average_kv_heads
+
+    spec = parse_engine(base.engine)
+    engine = open_torch_engine(base, spec.model)
+    try:
+        model = engine.model
+        ways = {
+            "plain": (model, None),
+            "fp8": (model, KVLayout(cache_dtype="fp8")),
+            "int8": (model, KVLayout(cache_dtype="int8")),
+            "window": (model, KVLayout(window=TABLE_WINDOW, sinks=TABLE_SINKS)),
+            "window-nosinks": (model, KVLayout(window=TABLE_WINDOW)),
+        }
+        if model.args.n_kv_head > 1:
+            ways["mqa"] = (ready_to_decode(average_kv_heads(model, 1)), None)
+        times = step_ms_in_turns(ways, rounds=SPEED_ROUNDS, steps=SPEED_STEPS)
+    finally:
+        engine.close()
+    plain = statistics.median(times["plain"])
+    return {key: plain / statistics.median(t) for key, t in times.items()}
+
+
 def run_table(
     settings: RunSettings,
     *,
     quality_bytes: int = QUALITY_BYTES,
     progress: Callable[[str], None] = lambda line: None,
 ) -> Iterator[dict[str, Any]]:
-    """Every row of the table, in order, as each is measured."""
+    """Every row of the table, in order, as each is measured; then, on a torch engine, the rows
+    again with their speed against the plain cache's timed in turns (`speed.vs_plain_in_turns`):
+    a row's own speed is of its run alone, at whatever moment it ran."""
     base = table_base(settings)
     check_table(base)
+    rows = []
     for row in TABLE_ROWS:
-        yield run_row(row, base, quality_bytes=quality_bytes, progress=progress)
+        rows.append(run_row(row, base, quality_bytes=quality_bytes, progress=progress))
+        yield rows[-1]
+    if parse_engine(base.engine).kind in ("tiny", "shape"):
+        progress(f"the layouts' steps in turns ({SPEED_ROUNDS} rounds of {SPEED_STEPS})")
+        ratios = speeds_in_turns(base)
+        for measured in rows:
+            if measured["key"] in ratios:
+                measured["speed"] = {
+                    **measured.get("speed", {}),
+                    "vs_plain_in_turns": ratios[measured["key"]],
+                    "in_turns": f"{SPEED_ROUNDS} rounds of {SPEED_STEPS} steps",
+                }
+                yield measured
 
 
 def table_header(settings: RunSettings) -> dict[str, Any]:
@@ -463,6 +514,7 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "1st diff",
         "tok/s",
         "TPOT",
+        "speed",
     )
     lines_out = []
     for row in rows:
@@ -482,6 +534,7 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                 ("none" if first is None else f"{first + 1:,}") if q else "-",
                 f"{speed['tokens_per_s']:,.0f}" if speed.get("tokens_per_s") else "-",
                 f"{tpot * 1e3:.2f} ms" if tpot else "-",
+                f"{speed['vs_plain_in_turns']:.2f}x" if speed.get("vs_plain_in_turns") else "-",
             )
         )
     widths = [max(len(r[i]) for r in (head, *lines_out)) for i in range(len(head))]
@@ -516,7 +569,11 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"{baseline['nats_per_byte_baseline']:.3f} nats/byte; prefix caching: the second "
             f"half); 1st diff: the first greedy token of {baseline['greedy_tokens']:,} to differ"
         )
-    lines.append("  TPOT: mean of the first 256 steps after the first (or all, if fewer)")
+    lines.append(
+        "  tok/s, TPOT (the mean of the first 256 steps after the first): each row's run alone; "
+        "speed: the plain step's time over the row's, the layouts timed in turns "
+        f"({SPEED_ROUNDS} rounds of {SPEED_STEPS} steps)"
+    )
     for row in rows:
         if row.get("baseline"):
             b = row["baseline"]

@@ -516,12 +516,18 @@ class TricksScreen(LessonScreen):
         else:
             how = f"measured here{f' (CPU {cpu})' if cpu else ''}"
         pool = f"{format_bytes(budget)} pool" if isinstance(budget, int) else "one pool"
-        raced = any(row.get("raced") for row in table.rows.values())
+        raced = any(
+            row.get("raced") and (row.get("speed") or {}).get("vs_plain_in_turns")
+            for row in table.rows.values()
+        )
         if not table.started:
             return Text(f"{how}: measured once nothing else decodes (its speeds want the CPU)")
+        timing = len(table.rows) == len(TABLE_ROWS) and not table.done
         return Text(
             f"{how}, {pool} · ✓ = formula, prediction · reach: vs plain · Δ, top-1: held-out "
-            "text · speed: vs plain" + (" (*: beside another run)" if raced else "")
+            "text · speed: vs plain, in turns"
+            + (" (beside another run)" if raced else "")
+            + (" · timing them…" if timing else "")
         )
 
     def _race_title(self) -> Text:
@@ -682,12 +688,20 @@ def _cells(row: dict[str, Any], plain: dict[str, Any] | None) -> list[Text]:
     else:
         delta = Text("ref" if row.get("key") == "plain" else "-", style="dim")
         top1 = Text("")
-    speed = Text("")
-    tpot = (row.get("speed") or {}).get("tpot_first_steps_s")
-    base_speed = (plain or {}).get("speed") or {}
+    return [label, per_token, stops, reach, delta, top1, _speed(row, plain)]
+
+
+def _speed(row: dict[str, Any], plain: dict[str, Any] | None) -> Text:
+    """The row's step against the plain cache's: timed in turns where the table did (a torch
+    engine), else its own run's (modelled on sim:); "…" while the turns are still to come."""
+    speed = row.get("speed") or {}
+    in_turns = speed.get("vs_plain_in_turns")
+    if in_turns:
+        return Text(f"{in_turns:.2f}x")
+    if row.get("how") == "measured":
+        return Text("…" if row.get("key") not in ("prefix",) else "", style="dim")
+    tpot = speed.get("tpot_first_steps_s")
+    base = ((plain or {}).get("speed") or {}).get("tpot_first_steps_s")
     if row.get("baseline"):
-        base_speed = row["baseline"].get("speed") or {}
-    base_tpot = base_speed.get("tpot_first_steps_s")
-    if tpot and base_tpot:
-        speed = Text(format_ratio(base_tpot / tpot) + ("*" if row.get("raced") else ""))
-    return [label, per_token, stops, reach, delta, top1, speed]
+        base = (row["baseline"].get("speed") or {}).get("tpot_first_steps_s")
+    return Text(format_ratio(base / tpot)) if tpot and base else Text("")
