@@ -168,10 +168,10 @@ class PoolLine(Widget):
 
     DEFAULT_CSS = """
     PoolLine { height: 1; width: 1fr; }
-    PoolLine > .pool--taken { color: $warning; }
+    PoolLine > .pool--taken { color: $warning-darken-3; }
     PoolLine > .pool--free { color: $text-muted; }
-    PoolLine.-full > .pool--taken { color: $error; text-style: bold; }
-    PoolLine.-full { color: $error; }
+    PoolLine.-full > .pool--taken { color: $error; }
+    PoolLine.-full { color: $text-error; text-style: bold; }
     """
     COMPONENT_CLASSES = {"pool--taken", "pool--free"}
 

@@ -92,3 +92,19 @@ async def test_screen_3s_what_if_follows_the_runs_kv_cache_dtype():
         await run.press("k")  # a dtype chosen by hand stays chosen
         await run.settle()
         assert "KV int8 (k)" in run.text()
+
+
+async def test_screen_4_reads_on_both_themes():
+    """The table (a formula's row dimmed), the race's pool lines and streams, red when full, the
+    published line: text at 4.5:1 and marks at 3:1, as tests/screens/test_contrast.py holds the
+    other screens."""
+    from test_contrast import too_faint
+
+    async with headless(SIM, screen=4, size=(100, 30)) as run:
+        await _race_and_table_done(run)
+        faint = []
+        for theme in ("textual-dark", "textual-light"):
+            run.app.theme = theme
+            await run.settle()
+            faint += too_faint(run, f"{theme}, screen 4")
+        assert faint == []
