@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from kvtui.engine.attention import ATTENTION_PER_SECOND, ATTENTION_SCALE, spans_for
+from kvtui.engine.attention import ATTENTION_PER_SECOND, ATTENTION_SCALE, MAX_SPANS, spans_for
 from kvtui.engine.loops import (
     TRIM_EVERY_STEPS,
     CachedModel,
@@ -309,8 +309,19 @@ class TorchEngine(ABC):
             return None
         first = position - weights.shape[0]  # a window's keys begin after position 0
         block = self.pool.block_tokens if self.pool else 1
-        spans = spans_for(first, position, block)
-        bounds = torch.tensor([*spans, position], device=weights.device) - first
+        sinks = self.settings.kv_sinks if first > 0 else 0
+        if sinks:  # a window's sinks (kvtui.gpu.tricks) come first: one span from position 0,
+            # over them and the positions the window let go, which got no attention
+            weights = torch.cat([weights[:sinks].sum(0, keepdim=True), weights[sinks:]])
+            first = position - weights.shape[0] + 1
+            rolling = spans_for(first, position, block)
+            rolling = rolling[:1] + rolling[2:] if len(rolling) >= MAX_SPANS else rolling
+            spans = [0, *rolling]
+            bounds = torch.tensor([first - 1, *rolling, position], device=weights.device)
+            bounds = bounds - (first - 1)
+        else:
+            spans = spans_for(first, position, block)
+            bounds = torch.tensor([*spans, position], device=weights.device) - first
         totals = torch.cat([weights.new_zeros(1), weights.double().cumsum(0)])
         shares = (totals[bounds[1:]] - totals[bounds[:-1]]) * ATTENTION_SCALE
         values = shares.round().clamp(0, ATTENTION_SCALE).long().tolist()

@@ -84,6 +84,10 @@ def test_a_window_the_pool_holds_never_stops_and_its_memory_is_flat():
     assert summary.kv_matches_formula() is True
     started = events[0]
     assert (started.kv_window, started.kv_sinks) == (20, 4)
+    last = steps[-1]  # its attention: the sinks first, as one span from 0, then the last 16
+    assert last.attention_spans[0] == 0 and last.attention_spans[1] == last.position - 16
+    assert len(last.attention_spans) == 17 and abs(sum(last.attention) - 1_000_000) <= 17
+    assert event_from_json(json.loads(json.dumps(to_json(last)))) == last
 
 
 def test_run_settings_and_events_carry_the_layout_and_refuse_nonsense():
