@@ -153,8 +153,8 @@ class MemoryScreen(LessonScreen):
         self._gpu_chosen = self._model_chosen = False
         self._followed = ""
         """The engine the what-if last followed."""
-        self._followed_kv = "auto"
-        """The run's --kv-cache-dtype the what-if last followed."""
+        self._followed_kv = ("", "auto")
+        """The run's engine and --kv-cache-dtype the what-if's KV dtype last followed."""
         self._kv_chosen = False
         self._own_model: ModelSpec | None = None
         """The running `--model DIR`'s shape, read from its config.json, once it has run."""
@@ -356,12 +356,16 @@ class MemoryScreen(LessonScreen):
 
     def follow_run(self, run: LiveRun) -> None:
         """Start the what-if from the running model (and a `sim:` engine's GPU), unless the
-        presenter chose them by hand; once per run's engine. A watcher of the run, not part of
-        drawing."""
-        cache_dtype = run.settings.kv_cache_dtype  # the run's --kv-cache-dtype, unless k chose one
-        if cache_dtype != self._followed_kv and not self._kv_chosen:
-            self._followed_kv = cache_dtype
-            self.kv_dtype = cache_dtype if cache_dtype != "auto" else LESSON_BUDGET.kv_dtype
+        presenter chose them by hand; once per run's engine; its KV dtype from the run's
+        --kv-cache-dtype, unless k chose one. A watcher of the run, not part of drawing."""
+        self._follow_engine(run)
+        followed = (run.settings.engine, run.settings.kv_cache_dtype)
+        if followed != self._followed_kv and not self._kv_chosen:
+            self._followed_kv = followed
+            if followed[1] != "auto":  # auto: as the model is served (above)
+                self.kv_dtype = followed[1]
+
+    def _follow_engine(self, run: LiveRun) -> None:
         engine = run.settings.engine
         if engine == self._followed:
             return
