@@ -574,7 +574,7 @@ class TricksScreen(LessonScreen):
             stream.border_subtitle = safe_text(run.failure, one_line=True)[:40]
         limit = run.started.max_positions if run.started else None
         if limit and run.prompt_tokens + trace.steps > limit and not full:
-            stream.border_subtitle = f"{trace.steps:,} tokens: past the model's {limit:,}"
+            stream.border_subtitle = f"{trace.steps:,} tokens, past its {limit:,}"
         stream.set_class(full, "-full")
 
     def _answer(self) -> Text:
