@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from rich.markup import escape
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
+
+from kvtui.widgets.plain import template
 
 HELP = """\
 [b]kvtui[/b]: why LLM decoding needs a KV cache, measured while you watch.
@@ -15,7 +16,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
 [b]1[/b] Without a cache, every step recomputes all tokens' keys and values.
 [b]2[/b] With the cache each step computes one new position and reads the rest.
 [b]3[/b] The cache grows with each token and sequence until its memory runs out.
-[b]Device[/b] {device}
+[b]Device[/b] $device
   1 2 3 4      switch screen; on 4, k + - r: race a trick, its setting, again
   space        pause / resume the engine
   ← → - +      answer length (1, 2; shift+← → halve, double); context (3)
@@ -44,4 +45,4 @@ class HelpScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="help"):
-            yield Static(HELP.format(device=escape(self.device)))
+            yield Static(template(HELP, device=self.device))  # the probe's words

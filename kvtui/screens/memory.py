@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
-from rich.markup import escape
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.events import Resize
 from textual.reactive import reactive
 from textual.widgets import Static
@@ -52,6 +52,7 @@ from kvtui.sim.parallel import shard
 from kvtui.sim.tricks import tokens_before_full
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
+from kvtui.widgets.plain import plain
 from kvtui.widgets.served import ServedCache
 from kvtui.widgets.vram import Bar, Part, VramBar, whatif_bar
 
@@ -308,17 +309,21 @@ class MemoryScreen(LessonScreen):
         advice = self.query_one("#advice", Static)
         more = self.query_one("#advice-more", Static)
         first, rest = " ".join(b.advice[:1]), " ".join(b.advice[1:])
-        if over:
+        if over:  # the advice names the model: a --model folder's name
             advice.update(
-                "Past capacity the next token has nowhere to keep its keys and values: "
-                f"generation stops. {first}"
+                plain(
+                    "Past capacity the next token has nowhere to keep its keys and values: "
+                    f"generation stops. {first}"
+                )
             )
         else:
             advice.update(
-                "Each token keeps its keys and values in every layer, for every sequence in the "
-                f"batch: the cache grows until memory, not compute, runs out. {first}"
+                plain(
+                    "Each token keeps its keys and values in every layer, for every sequence in "
+                    f"the batch: the cache grows until memory, not compute, runs out. {first}"
+                )
             )
-        more.update(rest)
+        more.update(plain(rest))
         more.set_class(not rest, "-empty")
 
     def _show_title(self, b: Budget) -> None:
@@ -538,21 +543,23 @@ class MemoryScreen(LessonScreen):
             )
         return words
 
-    def _live_words(self) -> str:
+    def _live_words(self) -> Content:
         """The running engine: its dtype and why; measured, KV held against the formula (and a
         GPU's memory in use), prefill and decode rates, tokens/s at its batch; then the
         formula's bytes and FLOPs over the step's time, against the peak and the ridge."""
         started = self.run.started
         if started is None:
-            return "The running engine's memory appears here once it starts."
+            return Content("The running engine's memory appears here once it starts.")
         threads = format_count(started.threads, "thread") if started.threads > 0 else ""
         how = {"modelled": "modelled: roofline", "replayed": "measured then"}.get(
             self.run.how, self.run.how
         )
         head = "Replayed" if self.run.replayed else "Live"
-        lines = [f"[b]{head}[/b] ({how}{', ' + threads if threads else ''}):"]
-        if started.dtype_source:
-            lines.append(escape(f"{started.dtype}: {started.dtype_source}"))
+        lines: list[Content | str] = [
+            Content.from_markup(f"[b]{head}[/b] ({how}{', ' + threads if threads else ''}):")
+        ]
+        if started.dtype_source:  # a record's words: text, never markup
+            lines.append(plain(f"{started.dtype}: {started.dtype_source}"))
         measured = self.run.kv_bytes_measured()
         last = self.run.loop("cached").last
         if measured:
@@ -582,7 +589,7 @@ class MemoryScreen(LessonScreen):
         intensity = last.flops / last.bytes_read if last and last.bytes_read else None
         if achieved or intensity:  # the formula's bytes and FLOPs: not measurements of them
             time = "modelled" if self.run.how == "modelled" else "measured"
-            lines.append(f"[b]Formula[/b] bytes, FLOPs / {time} time:")
+            lines.append(Content.from_markup(f"[b]Formula[/b] bytes, FLOPs / {time} time:"))
         if achieved:
             peak = started.peak_bandwidth_bytes_per_s
             of = f", {format_percent(achieved / peak)} of peak" if peak else ", peak unknown"
@@ -594,7 +601,7 @@ class MemoryScreen(LessonScreen):
                 lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
             else:
                 lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known)")
-        return "\n".join(lines)
+        return Content("\n").join(lines)
 
     def _draw_memory(self, plt: Plot, points: int) -> None:
         chart = self.query_one("#memory-chart", Chart)

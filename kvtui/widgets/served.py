@@ -21,6 +21,7 @@ from kvtui.format import (
     format_seconds,
     safe_text,
 )
+from kvtui.widgets.plain import plain
 
 FULL = 0.99
 """Usage from which the cache is drawn full."""
@@ -120,7 +121,8 @@ class ServedCache(Widget):
         self.set_class(m is not None and (m.kv_usage or 0) >= FULL, "-full")
         where = safe_text(started.served_by, one_line=True) if started is not None else ""
         self.border_title = "vLLM's KV CACHE (the server's figures)"
-        self.border_subtitle = f"{where} · /metrics twice a second" if where else ""
+        # what the server says it serves: text, never markup
+        self.border_subtitle = plain(f"{where} · /metrics twice a second" if where else "")
         self.refresh(layout=True)
 
     def _style(self, name: str) -> Style:

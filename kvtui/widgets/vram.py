@@ -15,6 +15,7 @@ from textual.widget import Widget
 from kvtui.format import format_bytes
 from kvtui.sim.budget import VramSplit
 from kvtui.widgets.chart import contrast_ratio
+from kvtui.widgets.plain import plain
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class VramBar(Widget):
         self, bar: Bar, title: str | Sequence[str], subtitle: str | Sequence[str] = ""
     ) -> None:
         """Draw `bar`; `title` and `subtitle` are one wording or several, fullest first: the
-        first that fits the border is shown (the last, cut, if none does)."""
+        first that fits the border is shown (the last, cut, if none does), as plain text (they
+        name models, devices and pools from files and engines), never markup."""
         self._titles = (title,) if isinstance(title, str) else tuple(title)
         self._subtitles = (subtitle,) if isinstance(subtitle, str) else tuple(subtitle)
         self._fit_titles()
@@ -131,7 +133,7 @@ class VramBar(Widget):
             ("border_subtitle", self._subtitles),
         ):
             fits = [w for w in wordings if len(w) <= room]
-            setattr(self, attribute, fits[0] if fits else wordings[-1] if wordings else "")
+            setattr(self, attribute, plain(fits[0] if fits else wordings[-1] if wordings else ""))
 
     @staticmethod
     def widths(bar: Bar, width: int) -> list[int]:

@@ -1,0 +1,125 @@
+"""Text from outside kvtui (a record, a model's config, the device probe, an engine's message) is
+shown as text on every screen, never read as markup: a `[/dim]` in a record cannot crash the app,
+and an `[@click=app.quit]` in a config's folder name cannot put an action on screen."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from conftest import PROBE, SETTINGS, screen_text, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from textual.content import Content
+
+from kvtui.app import make_app
+from kvtui.engine.protocol import RunFailed, RunFinished, RunStarted, run_events
+from kvtui.engine.spec import open_engine
+from kvtui.testing import ScriptedEngine
+
+SIZE = (200, 50)
+"""Wide enough for every title in full."""
+MARKUP = [
+    "measured[/dim]",
+    "[@click=app.quit]quit[/]",
+    "[link='https://example.com']x[/link]",
+    "[$nope]v",
+    "[B]b",
+    "[ b]s",
+    "tail\\",
+]
+"""Markup and action syntax a file may hold: each must show exactly as written."""
+TEXT = " ".join(MARKUP)
+
+
+def events_with(**started_fields) -> list:
+    """A sim run whose start carries these fields (as a replay of an edited record would)."""
+    run = list(run_events(open_engine(replace(SETTINGS, tokens=4)), replace(SETTINGS, tokens=4)))
+    return [replace(e, **started_fields) if isinstance(e, RunStarted) else e for e in run]
+
+
+async def test_a_records_strings_show_as_written_on_every_screen(text=TEXT):
+    events = events_with(
+        model=f"m{text}", device=f"d{text}", timing=text, kv_pool_source=f"k{text}"
+    )
+    probe = {**PROBE, "description": f"probe {text}", "label": f"probe {text}"}
+    app = make_app(
+        replace(SETTINGS, tokens=4),
+        3,
+        probe=probe,
+        engine_factory=lambda s: ScriptedEngine(events, settings=s),
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.live.state == "done")
+        app.screen.redraw_now()
+        await pilot.pause()
+        shown = screen_text(app)
+        assert f"k{text}" in shown  # the pool's source, in the bar's subtitle
+        assert f"m{text}" in shown  # the model, in the bar's title
+        for key in ("1", "2", "question_mark"):
+            await pilot.press(key)
+            await pilot.pause()
+        assert f"probe {text}" in screen_text(app)  # help: the device in full
+        assert app.is_running
+
+
+async def test_an_engines_message_shows_as_written(text=TEXT):
+    started = events_with()[0]
+    events = [started, RunFinished("cached", "error", 0, f"stop {text}"), RunFailed(f"fail {text}")]
+    app = make_app(
+        replace(SETTINGS, tokens=4),
+        1,
+        probe=PROBE,
+        engine_factory=lambda s: ScriptedEngine(events, settings=s),
+    )
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await wait_for(pilot, lambda: app.live.state == "failed")
+        await pilot.pause()
+        shown = screen_text(app)
+        assert f"fail {text}" in shown  # the notification
+        assert app.is_running
+
+
+async def test_a_model_folder_named_in_markup_shows_as_named(tmp_path):
+    """`--model DIR`: the what-if follows the folder's config.json, named after the folder."""
+    folder = tmp_path / "[$nope][@click=app.quit]x"
+    folder.mkdir()
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "vocab_size": 300,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    events = events_with()
+    app = make_app(
+        replace(SETTINGS, engine=f"hf:{folder}", tokens=4),
+        3,
+        probe=PROBE,
+        engine_factory=lambda s: ScriptedEngine(events, settings=s),
+    )
+    async with app.run_test(size=(140, 42)) as pilot:
+        await wait_for(pilot, lambda: app.live.state == "done")
+        await pilot.press("plus", "plus", "plus", "plus", "plus", "plus")  # past its 256 positions
+        await pilot.pause()
+        shown = screen_text(app)
+        assert "What-if: [$nope][@click=app.quit]x" in shown
+        assert app.is_running
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.text(alphabet=st.sampled_from("[]/\\@$=ab :'\"#\x1b\n"), max_size=40))
+def test_any_text_is_itself_in_a_template(text):
+    """The helpers every screen uses for outside text: what is shown is the text, character for
+    character (control characters escaped, as kvtui.format.safe_text has them)."""
+    from kvtui.format import safe_text
+    from kvtui.widgets.plain import plain, template
+
+    assert plain(text).plain == safe_text(text)
+    shown = template("[b]Live[/b] ($what) [dim]end[/dim]", what=text)
+    assert isinstance(shown, Content)
+    assert shown.plain == f"Live ({safe_text(text)}) end"
