@@ -336,12 +336,13 @@ def run_bench(
         raise
     finally:
         engine.close()
-    if not any(collected.steps(loop) for loop in collected.run.loops):
-        finished = [s.finished for s in collected.run.loops.values() if s.finished is not None]
+    finished = [s.finished for s in collected.run.loops.values() if s.finished is not None]
+    failed = [f.message or f"the {f.loop} loop failed" for f in finished if f.reason == "error"]
+    if failed or not any(collected.steps(loop) for loop in collected.run.loops):
         messages = [f.message for f in finished if f.message]
-        if recording:
+        if recording:  # a run that failed measured nothing worth replaying
             recording.discard()
-        raise EngineError(messages[0] if messages else "the run produced no steps")
+        raise EngineError((failed or messages or ["the run produced no steps"])[0])
     if recording:
         recording.commit()
     return summarize(collected, settings)

@@ -181,8 +181,20 @@ def load_model(
         kwargs["device_map"] = {"": device}
     model = None
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), **kwargs)
+        model, report = transformers.AutoModelForCausalLM.from_pretrained(
+            str(directory), output_loading_info=True, **kwargs
+        )
+        mismatch = weights_mismatch(report)
+        if mismatch:  # transformers would run random weights in their place: never decode them
+            raise EngineError(
+                f"{directory.name}: its weights are not the model its config.json describes "
+                f"({mismatch}); kvtui never decodes randomly initialised weights"
+            )
         model = model.to(device).eval()
+    except EngineError:
+        del model
+        _free(device, collect=True)
+        raise
     except torch.OutOfMemoryError:
         del model
         _free(device, collect=True)
@@ -192,6 +204,41 @@ def load_model(
         _free(device, collect=True)
         raise EngineError(f"cannot load {directory}: {_one_line(exc)}") from None
     return cast(torch.nn.Module, model)
+
+
+def weights_mismatch(report: dict[str, Any], shown: int = 3) -> str:
+    """What transformers' loading report says the checkpoint lacks, holds beyond the model, or
+    holds in another shape, naming the first `shown` tensors of each; empty when it matches.
+    (transformers leaves out what a model may lack by design: tied heads, buffers.)"""
+    words = []
+    for key, what in (
+        ("missing_keys", "missing"),
+        ("unexpected_keys", "unexpected"),
+        ("mismatched_keys", "of another shape"),
+    ):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in report.get(key) or ())
+        if names:
+            more = f" and {len(names) - shown:,} more" if len(names) > shown else ""
+            words.append(f"{len(names):,} {what}: {', '.join(names[:shown])}{more}")
+    return "; ".join(words)
+
+
+def check_runnable(directory: Path, config: dict[str, Any], ids: list[int], vocab: int) -> None:
+    """`EngineError` for what would fail inside the forward, checked before anything loads: a
+    prompt id past the vocabulary (`IndexError` in the embedding), a sliding window of no
+    positions (transformers runs a window of 0, and its cache cannot hold a token)."""
+    past = max(ids)
+    if past >= vocab:
+        raise EngineError(
+            f"{directory.name}: the tokenizer gives this prompt id {past:,}, past the model's "
+            f"{vocab:,} (vocab_size in config.json): the tokenizer is not this model's"
+        )
+    window = config.get("sliding_window")
+    if isinstance(window, int | float) and not isinstance(window, bool) and window < 1:
+        raise EngineError(
+            f"{directory}/config.json: sliding_window {window!r} is a window of no positions "
+            "(null turns the window off)"
+        )
 
 
 # --- the KV cache --------------------------------------------------------------------------------
@@ -429,6 +476,7 @@ def open_hf_engine(settings: RunSettings, directory: Path, progress: Progress = 
                 f"cannot load the tokenizer in {directory}: {_one_line(exc)}"
             ) from None
         ids = prompt_ids(tokenizer, settings.prompt)
+        check_runnable(directory, config, ids, spec.vocab_size)
         prompt = 1 if settings.lesson else len(ids)
         check_positions(label, prompt, settings.tokens, spec.max_context)
         check_fits(spec, directory, device, dtype, len(ids) + settings.tokens)

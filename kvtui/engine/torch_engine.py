@@ -46,7 +46,15 @@ from kvtui.engine.spec import FLOP_COUNTER_PHRASE, Progress, quiet
 from kvtui.format import format_bytes
 from kvtui.gpu.cache import KVCacheFull
 from kvtui.gpu.counting import PositionCounter, flop_counter_warm
-from kvtui.gpu.device import describe_device, device_ridge, dtype_name, pick_device, run_dtype
+from kvtui.gpu.device import (
+    describe_device,
+    device_ridge,
+    dtype_name,
+    one_line,
+    out_of_memory,
+    pick_device,
+    run_dtype,
+)
 from kvtui.gpu.kernels import newest_attention
 from kvtui.gpu.load import (
     build_shape,
@@ -231,7 +239,7 @@ class TorchEngine(ABC):
         sampling = Sampling(temperature=s.temperature, top_k=s.top_k, seed=s.seed, greedy=s.greedy)
         text = self.text_stream()
         allocated = filled = per_position = None
-        done, stopped = 0, ""
+        done, stopped, failed = 0, "", ""
         run: Generator[Step, None, None] | None = None
         try:
             if loop == "cached":
@@ -259,8 +267,11 @@ class TorchEngine(ABC):
             stopped = (
                 full_message(self.pool, s.layout, P, B) if self.pool else "the KV cache is full"
             )
-        except torch.OutOfMemoryError:  # reported below, once the traceback no longer pins tensors
-            stopped = f"out of memory at {P + done:,} tokens"
+        except Exception as exc:  # reported below, once the traceback no longer pins tensors
+            if out_of_memory(exc):
+                stopped = f"out of memory at {P + done:,} tokens"
+            else:  # whatever a model's forward raises ends this loop in one line, not a crash
+                failed = f"the {loop} loop failed at step {done + 1:,}: {one_line(exc)}"
         finally:
             if run is not None:
                 run.close()  # a stopped run's loop lets go of its cache too
@@ -268,12 +279,14 @@ class TorchEngine(ABC):
             if loop == "cached":
                 self.free_cache()
             trim_host_memory()  # after the loop, outside every timed step
-        reason: Literal["out_of_memory", "done"] = "out_of_memory" if stopped else "done"
+        reason: Literal["out_of_memory", "error", "done"] = (
+            "error" if failed else "out_of_memory" if stopped else "done"
+        )
         yield RunFinished(
             loop,
             reason,
             done,
-            stopped,
+            failed or stopped,
             kv_bytes_allocated=allocated,
             kv_bytes_filled=filled,
             kv_bytes_per_position=per_position,

@@ -82,3 +82,19 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM"
     except (ValueError, OSError) as exc:
         raise EngineError(f"cannot read this machine's free memory: {exc}") from None
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation that failed: torch's on a GPU, Python's, or the CPU
+    allocator's (a RuntimeError "DefaultCPUAllocator: can't allocate memory", as under an address
+    space or cgroup limit)."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def one_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception as one line for a person: its type and the first line of its message."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
