@@ -620,3 +620,31 @@ def test_a_hub_cache_snapshot_may_link_into_its_own_blobs_only(tmp_path):
     (snapshot / "model.safetensors").symlink_to(tmp_path / "other.safetensors")
     with pytest.raises(InputError, match="outside the model folder"):
         model_weights(snapshot)
+
+
+# --- numbers JSON does not have: never written ---------------------------------------------------
+
+
+def test_a_record_never_holds_a_number_json_does_not(tmp_path, capsys, monkeypatch):
+    """An engine that measured NaN: the record is refused in one line, never written with NaN
+    (which kvtui itself, and every strict JSON reader, would then refuse to read)."""
+    import math
+
+    import kvtui.engine.bench as bench
+
+    def nan_steps(settings):
+        engine = open_engine(settings)
+        steps = engine.steps
+
+        def patched(loop):
+            for event in steps(loop):
+                yield replace(event, step_seconds=math.nan) if event.kind == "step" else event
+
+        engine.steps = patched
+        return engine
+
+    monkeypatch.setattr(bench, "open_engine", nan_steps)
+    path = tmp_path / "nan.jsonl"
+    err = refused(capsys, *RUN, "--tokens", "2", "--json", "--record", str(path))
+    assert "not a finite number" in err
+    assert not path.exists() and list(tmp_path.iterdir()) == []

@@ -431,6 +431,9 @@ class RecordFile:
         except OSError as exc:
             self.discard()
             raise self._error(exc) from None
+        except EngineError as exc:  # a number JSON does not have
+            self.discard()
+            raise RecordError(f"--record {self.path}: {exc}") from None
 
     def commit(self) -> None:
         """Close the temporary file and move it onto the target (never over a file that

@@ -347,8 +347,8 @@ def child_main(warm: bool = False) -> int:
     out = sys.stdout
     sys.stdout = sys.stderr  # anything a library prints must not corrupt the event stream
 
-    def emit(event: Event) -> None:
-        out.write(json.dumps(to_json(event), separators=(",", ":")) + "\n")
+    def emit(event: Event) -> None:  # JSON has no NaN: one in an event fails the run, in a line
+        out.write(json.dumps(to_json(event), separators=(",", ":"), allow_nan=False) + "\n")
         out.flush()
 
     def progress(phrase: str) -> None:

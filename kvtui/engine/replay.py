@@ -67,7 +67,14 @@ class RecordWriter:
         self._write(line)
 
     def _write(self, data: dict[str, Any]) -> None:
-        self._out.write(json.dumps(data, separators=(",", ":")) + "\n")
+        try:  # JSON has no NaN or Infinity: a record holding one could never be read back
+            line = json.dumps(data, separators=(",", ":"), allow_nan=False)
+        except ValueError:
+            raise EngineError(
+                f"cannot record the {data.get('kind', 'an')} event: it holds a number that is not "
+                "a finite number (NaN or infinity)"
+            ) from None
+        self._out.write(line + "\n")
         self._out.flush()
 
     def write(self, event: Event) -> None:
