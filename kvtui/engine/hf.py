@@ -38,7 +38,7 @@ from kvtui.engine.spec import FLOP_COUNTER_PHRASE, Progress, quiet
 from kvtui.engine.torch_engine import TorchEngine
 from kvtui.format import format_bytes
 from kvtui.gpu.counting import PositionCounter, count_flops, flop_counter_warm
-from kvtui.gpu.device import available_bytes, dtype_name, pick_device, run_dtype
+from kvtui.gpu.device import available_bytes, dtype_name, out_of_memory, pick_device, run_dtype
 from kvtui.sim.catalog import ConfigError, ModelSpec
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
@@ -195,14 +195,12 @@ def load_model(
         del model
         _free(device, collect=True)
         raise
-    except torch.OutOfMemoryError:
-        del model
-        _free(device, collect=True)
-        raise EngineError(f"{directory.name}: out of memory while loading the weights") from None
     except Exception as exc:  # transformers' own checks raise all kinds: one line, whichever
         del model
+        oom = out_of_memory(exc)
+        words = "out of memory while loading the weights" if oom else _one_line(exc)
         _free(device, collect=True)
-        raise EngineError(f"cannot load {directory}: {_one_line(exc)}") from None
+        raise EngineError(f"cannot load {directory}: {words}") from None
     return cast(torch.nn.Module, model)
 
 

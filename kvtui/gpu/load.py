@@ -5,6 +5,8 @@ made ready to decode on its device."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -12,7 +14,7 @@ from safetensors import safe_open
 
 from kvtui.engine.protocol import EngineError
 from kvtui.format import format_bytes
-from kvtui.gpu.device import available_bytes
+from kvtui.gpu.device import available_bytes, out_of_memory
 from kvtui.gpu.model import ModelArgs, Transformer
 from kvtui.paths import TINY_WEIGHTS, asset_path
 from kvtui.sim.catalog import ModelSpec, spec_matrix_params
@@ -52,12 +54,15 @@ def load_tiny(
         model = Transformer(TINY_ARGS, dtype=dtype, device=device)
         model.init_weights(seed)
         return ready_to_decode(model), {"name": "tiny-random", "weights": "random"}
-    with safe_open(path, framework="pt") as f:
+    with (
+        safe_open(path, framework="pt") as f,
+        out_of_memory_is_one_line(TINY_WEIGHTS, format_bytes(path.stat().st_size), device),
+    ):
         metadata = dict(f.metadata() or {})
         args = ModelArgs.from_json(json.loads(metadata["config"]))
         model = Transformer(args, dtype=dtype, device=device)
         model.load_state_dict({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
-    return ready_to_decode(model), metadata
+        return ready_to_decode(model), metadata
 
 
 def tiny_stored_dtype() -> str:
@@ -124,9 +129,26 @@ def build_shape(
             f"shape:{spec.name} needs {format_bytes(need)} ({what}) but only "
             f"{format_bytes(have)} of {where} is available"
         )
-    model = Transformer(args, dtype=dtype, device=device)
-    model.init_weights(seed)
-    return ready_to_decode(model)
+    with out_of_memory_is_one_line(f"shape:{spec.name}", f"{format_bytes(need)} ({what})", device):
+        model = Transformer(args, dtype=dtype, device=device)
+        model.init_weights(seed)
+        return ready_to_decode(model)
+
+
+@contextmanager
+def out_of_memory_is_one_line(name: str, need: str, device: torch.device) -> Iterator[None]:
+    """An allocation that fails while a model is built or loaded (the pre-check passed, but a
+    limit it could not see, or another process, took the memory): `EngineError`, one line."""
+    try:
+        yield
+    except Exception as exc:
+        if not out_of_memory(exc):
+            raise
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise EngineError(
+            f"{name}: out of memory while building it on {device.type} (it needs {need})"
+        ) from None
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
