@@ -76,9 +76,11 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 def has_terminal() -> bool:
-    """Whether the app has a terminal to draw on: stdin and stdout are one, or `kvtui serve`'s
-    web driver (textual-serve sets TEXTUAL_DRIVER) stands in for it."""
-    return "TEXTUAL_DRIVER" in os.environ or (sys.stdin.isatty() and sys.stdout.isatty())
+    """Whether the app has a terminal to draw on: stdin, stdout and stderr (where Textual's
+    Linux driver draws) are one, or `kvtui serve`'s web driver (textual-serve sets
+    TEXTUAL_DRIVER) stands in for it."""
+    streams = (sys.stdin, sys.stdout, sys.stderr)
+    return "TEXTUAL_DRIVER" in os.environ or all(s is not None and s.isatty() for s in streams)
 
 
 # --- the parser ----------------------------------------------------------------------------------
@@ -306,9 +308,42 @@ def _abandon_stdout() -> None:
         os.close(devnull)
 
 
+class _ClosedOutput(io.TextIOBase):
+    """Standard output the shell closed (`>&-`): what is printed cannot be given, so writing
+    fails as a closed descriptor does (one line, exit 2), rather than vanishing with exit 0."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed")
+
+
+def _reopen_closed_streams() -> None:
+    """A standard stream the shell closed (`<&-`, `>&-`, `2>&-`) is opened on /dev/null, so that
+    no file kvtui opens later takes its descriptor (a record would receive what a library writes
+    to stderr); then stdin reads nothing, stderr's lines go nowhere, and stdout refuses what is
+    printed (`_ClosedOutput`)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:  # the lowest free descriptor: fd itself unless a lower one is closed
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stdin is None:
+        sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 - for the process's life
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+    if sys.stdout is None:
+        sys.stdout = _ClosedOutput()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; the exit status is returned, not raised. Bad input, and output
     that cannot be written, are one line on stderr (control characters escaped) and exit 2."""
+    _reopen_closed_streams()
     if hasattr(sys.stdout, "reconfigure"):  # a character the terminal cannot show is escaped
         with contextlib.suppress(ValueError, io.UnsupportedOperation):
             sys.stdout.reconfigure(errors="backslashreplace")
@@ -344,8 +379,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help and --version print and exit 0
         try:
             _flush_stdout()
-        except (_OutputError, BrokenPipeError):
+        except BrokenPipeError:
             _abandon_stdout()
+        except _OutputError as error:
+            _abandon_stdout()
+            _say(f"kvtui: error: cannot write the output: {error}")
+            return EXIT_USAGE
         return exc.code if isinstance(exc.code, int) else 0
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import IO, Any, NoReturn
 
 from kvtui.engine.protocol import (
     DEFAULT_PROMPT,
@@ -49,6 +50,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: error: {message}")
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        """argparse's, without its silence when the write fails: `--help` into a full disk or a
+        closed stdout is then one line and exit 2 (kvtui.cli.main), not exit 0."""
+        if message:
+            (file or sys.stderr).write(message)
 
 
 # --- argument types ------------------------------------------------------------------------------
