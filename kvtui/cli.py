@@ -21,7 +21,6 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from kvtui import __version__
@@ -40,6 +39,7 @@ from kvtui.options import (
     UsageError,
     add_run_options,
     int_in,
+    output_path,
     settings_from_args,
 )
 from kvtui.paths import HELDOUT_BYTES
@@ -139,7 +139,7 @@ def _add_bench(subparsers: Any) -> None:
     )
     p.add_argument(
         "--record",
-        type=Path,
+        type=output_path,
         metavar="FILE",
         help="write every step as JSON lines, for replay:FILE (written whole when the run ends, "
         "Ctrl-C included; never over an existing file without --force, never through a link)",

@@ -142,6 +142,55 @@ def read_json(path: Path, limit: int) -> Any:
         raise InputError(f"{path} is not valid JSON ({_json_reason(exc)})") from None
 
 
+NAME_MAX, PATH_MAX = 255, 4096
+"""The longest file name and path Linux takes, in bytes (a path: PATH_MAX - 1 and a NUL)."""
+
+
+def _shown_path(text: str) -> str:
+    return text if len(text) <= 60 else f"{text[:28]}...{text[-28:]} ({len(text):,} characters)"
+
+
+def user_path(text: str) -> Path:
+    """A path as a person typed it (`~` and `~user` expanded as a shell would), refused in one
+    line (`InputError`) when no file could have it: a user with no home, a NUL, characters that are
+    not a file name, a name past NAME_MAX bytes or a path past PATH_MAX. Checked where it enters,
+    so that a later `stat` or `open` never raises what it cannot say in a line."""
+    shown = _shown_path(text)
+    if "\0" in text:
+        raise InputError(f"{shown!r} is not a file name (it holds a NUL)")
+    path = Path(text)
+    if text.startswith("~"):
+        try:
+            path = path.expanduser()
+        except RuntimeError:  # `~nosuchuser`: no such user, or no home to expand
+            user = text[1:].split("/", 1)[0]
+            who = f"no user {user!r}" if user else "no home directory"
+            raise InputError(f"{shown}: there is {who} to expand ~ to") from None
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError:
+        raise InputError(f"{shown!r} is not a file name (characters no file name holds)") from None
+    longest = max(len(part) for part in encoded.split(b"/"))
+    if longest > NAME_MAX:
+        raise InputError(
+            f"{shown}: a name of {longest:,} bytes (a file name is at most {NAME_MAX})"
+        )
+    if len(encoded) >= PATH_MAX:
+        raise InputError(
+            f"{shown}: a path of {len(encoded):,} bytes (a path is at most {PATH_MAX - 1:,})"
+        )
+    return path
+
+
+def output_file(text: str) -> Path:
+    """A file to write, as a person typed it (`user_path`), that names a file: not a path ending
+    in `/`, which asks for a directory, nor a directory that exists (`InputError`)."""
+    path = user_path(text)
+    if text.endswith("/") or path.is_dir():
+        raise InputError(f"{_shown_path(text)} names a directory; give a file's name")
+    return path
+
+
 def argv_text(text: str) -> str:
     """Text from the command line as text: bytes that were not UTF-8 (which Python keeps as lone
     surrogates, U+DC80..U+DCFF) decoded with U+FFFD in their place, so that the text encodes,

@@ -8,6 +8,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any, NoReturn
 
 from kvtui.engine.protocol import (
@@ -22,7 +23,7 @@ from kvtui.format import (
     format_bytes,
     parse_bytes,
 )
-from kvtui.inputs import argv_text
+from kvtui.inputs import InputError, argv_text, output_file
 from kvtui.sim.catalog import UnknownNameError, normalize_dtype
 from kvtui.sim.hf_config import MAX_SIZE
 
@@ -189,6 +190,14 @@ def float_in(low: float, high: float, *, zero: bool = False) -> Callable[[str], 
 
     parse.__name__ = f"float_in({low}, {high})"
     return parse
+
+
+def output_path(text: str) -> Path:
+    """An argparse type: a file to write (kvtui.inputs.output_file), one line if it cannot be."""
+    try:
+        return output_file(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def dtype_arg(text: str) -> str:

@@ -648,3 +648,41 @@ def test_a_record_never_holds_a_number_json_does_not(tmp_path, capsys, monkeypat
     err = refused(capsys, *RUN, "--tokens", "2", "--json", "--record", str(path))
     assert "not a finite number" in err
     assert not path.exists() and list(tmp_path.iterdir()) == []
+
+
+# --- paths ---------------------------------------------------------------------------------------
+
+LONG_NAME = "r" * 300 + ".jsonl"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ((*RUN, "--tokens", "2", "--record", LONG_NAME), "at most 255"),
+        ((*RUN, "--tokens", "2", "--record", "x" * 5000), "at most 255"),
+        ((*RUN, "--tokens", "2", "--record", "run.jsonl/"), "a directory"),
+        ((*RUN, "--tokens", "2", "--record", "."), "a directory"),
+        (("bench", "--engine", "replay:~nosuchuser/x.jsonl"), "no user 'nosuchuser'"),
+        (("bench", "--model", "~nosuchuser/model"), "no user 'nosuchuser'"),
+        (("bench", "--engine", f"replay:{LONG_NAME}"), "at most 255"),
+        (("bench", "--model", "m" * 300), "at most 255"),
+        (("bench", "--engine", "replay:" + "d/" * 3000 + "x"), "at most 4,095"),
+    ],
+    ids=[
+        "record 300",
+        "record 5000",
+        "record slash",
+        "record dot",
+        "replay nosuchuser",
+        "model nosuchuser",
+        "replay 300",
+        "model 300",
+        "replay path 6000",
+    ],
+)
+def test_a_path_kvtui_cannot_use_is_one_line(tmp_path, capsys, monkeypatch, argv, says):
+    monkeypatch.chdir(tmp_path)
+    assert says in refused(capsys, *argv)
+    assert list(tmp_path.iterdir()) == []  # nothing written, under any name
+    if argv[0] == "bench" and "--record" not in argv:
+        assert says in app_refuses(capsys, monkeypatch, *argv[1:])

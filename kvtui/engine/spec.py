@@ -29,6 +29,7 @@ from kvtui.engine.protocol import (
     StepSource,
 )
 from kvtui.gpu.probe import cuda_visible
+from kvtui.inputs import InputError, user_path
 from kvtui.paths import TINY_NAME
 from kvtui.sim.catalog import ModelSpec
 
@@ -90,7 +91,11 @@ def parse_engine(name: str) -> EngineSpec:
     if not arg:
         example = "replay:runs/h100.jsonl" if kind == "replay" else "hf:~/models/Llama-3.2-1B"
         raise EngineError(f"{kind}: needs a path, e.g. {example}")
-    return EngineSpec(kind, path=Path(arg).expanduser())  # type: ignore[arg-type]
+    try:
+        path = user_path(arg)
+    except InputError as exc:
+        raise EngineError(f"{kind}: {exc}") from None
+    return EngineSpec(kind, path=path)  # type: ignore[arg-type]
 
 
 _GPU_COUNT = re.compile(r"(\d+)\s*[x×]\s*(.+)", re.IGNORECASE)
