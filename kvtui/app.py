@@ -34,6 +34,7 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.driver import Driver
 from textual.message import Message
 from textual.reactive import var
 from textual.worker import Worker, WorkerState, get_current_worker
@@ -41,6 +42,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.engine.spec import parse_engine
 from kvtui.format import safe_text
+from kvtui.options import UsageError
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
@@ -50,6 +52,7 @@ from kvtui.screens.recompute import RecomputeScreen
 from kvtui.screens.tricks import TableFactory, TricksScreen
 from kvtui.sim.catalog import GPUSpec, gpu_from_probe, model_names
 from kvtui.sim.pool import step_budget
+from kvtui.terminal import CommandPalette, DriverError, checked_driver
 
 if TYPE_CHECKING:
     from textual.timer import Timer
@@ -208,6 +211,7 @@ class KVApp(App[int]):
         Binding("p", "present", "Present", show=False),
         Binding("question_mark", "help", "Help", key_display="?"),
         Binding("q", "quit", "Quit", priority=True),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),  # as htop and nvitop
     ]
 
     @dataclass
@@ -262,6 +266,15 @@ class KVApp(App[int]):
         self._load: LoadProcess | None = None
         """The load `f` put on a vllm: run's server, while it runs (kvtui.engine.load)."""
         self._load_timer: Timer | None = None
+
+    # --- the terminal (kvtui.terminal guards what Textual does not survive) -------------------
+
+    def get_driver_class(self) -> type[Driver]:
+        return checked_driver(super().get_driver_class)
+
+    def action_command_palette(self) -> None:
+        if self.use_command_palette and not CommandPalette.is_open(self):
+            self.push_screen(CommandPalette(id="--command-palette"))
 
     # --- startup and screens -----------------------------------------------------------------
 
@@ -707,7 +720,10 @@ def run_app(settings: RunSettings, screen: int = 1, *, present: bool = False) ->
     end it as `q` does (the terminal is restored and the engine's process closed), with the exit
     code a shell expects of that signal (130, 143, 129): left to asyncio, a SIGINT ended the
     app with 0, as if it had succeeded."""
-    app = make_app(settings, screen, present=present)
+    try:
+        app = make_app(settings, screen, present=present)
+    except DriverError as exc:
+        raise UsageError(f"kvtui: {exc}") from None
 
     def leave(signum: int, frame: object) -> None:
         code = 128 + signum

@@ -12,6 +12,7 @@ HTTP to the URL given and nowhere else).
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -126,6 +127,8 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
     say = progress or quiet
     if spec.kind in ("tiny", "shape", "hf") and "torch" not in sys.modules:
         say("importing torch")
+    if spec.kind in ("tiny", "shape", "hf"):
+        import_torch()
     if spec.kind in ("tiny", "shape"):
         from kvtui.engine.torch_engine import open_torch_engine
 
@@ -153,6 +156,21 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
 
 def quiet(phrase: str) -> None:
     """A `Progress` that tells no one."""
+
+
+def import_torch() -> None:
+    """Import torch, or say in one line (`EngineError`) why it would not: a setting it reads
+    from the environment that it refuses (`TORCH_LOGS=evil` is a ValueError listing every valid
+    setting), or a broken install."""
+    try:
+        import torch  # noqa: F401
+    except Exception as exc:  # torch raises all kinds at import: one line, whichever
+        words = " ".join(str(exc).split())
+        first = words.split(". ")[0].rstrip(".") or type(exc).__name__
+        named = set(re.findall(r"\b[A-Z][A-Z0-9_]{3,}\b", words))  # TORCH_LOGS, say
+        settings = [f"{k}={v!r:.40}" for k, v in sorted(os.environ.items()) if k in named]
+        said = f" (the environment sets {', '.join(settings)})" if settings else ""
+        raise EngineError(f"torch does not import: {first[:200]}{said}") from None
 
 
 def check_engine(settings: RunSettings) -> None:

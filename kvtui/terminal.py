@@ -1,0 +1,89 @@
+"""Where the app meets the terminal, guarded: what a terminal or an environment may send that
+Textual itself does not survive, each guarded here, at kvtui's edge, until Textual's own fix.
+
+- Bytes that are not UTF-8 (a terminal sending Alt as 8-bit meta; `tmux send-keys -H ff`) end
+  Textual's Linux driver's input thread with a UnicodeDecodeError, and the app with it
+  (textual#6456): `TolerantLinuxDriver` reads on past them.
+- A page key in the command palette while its list has no height yet raises KeyError in
+  `OptionList._move_page`: `CommandPalette` lets such a page key do nothing.
+- `TEXTUAL_DRIVER` naming no driver raised from deep in Textual: `driver_class` says so in a line.
+
+The reports for Textual, with minimal reproductions, are in docs/upstream/.
+"""
+
+from __future__ import annotations
+
+import codecs
+import functools
+from collections.abc import Callable
+
+from textual import command, constants
+from textual.driver import Driver
+from textual.drivers import linux_driver
+from textual.drivers.linux_driver import LinuxDriver
+
+
+class DriverError(Exception):
+    """`TEXTUAL_DRIVER` names no Textual driver: one line for a person to read."""
+
+
+def _replacing_decoder(encoding: str) -> Callable[[], codecs.IncrementalDecoder]:
+    """`codecs.getincrementaldecoder`, making decoders that put U+FFFD for bytes the encoding
+    has no character for, where the default raises."""
+    return functools.partial(codecs.getincrementaldecoder(encoding), errors="replace")
+
+
+class TolerantLinuxDriver(LinuxDriver):
+    """Textual's Linux driver, reading on past bytes that are not UTF-8.
+
+    Textual decodes the terminal's input strictly, so one such byte raises UnicodeDecodeError in
+    its input thread, which ends the app (textual#6456). Its input thread makes its decoder with
+    the module's `getincrementaldecoder`: here that makes one that puts U+FFFD instead (a key
+    bound to nothing), the fix proposed upstream. Should Textual stop making its decoder so, the
+    thread starts reading again after the error: what came in the same read is dropped."""
+
+    def run_input_thread(self) -> None:
+        linux_driver.getincrementaldecoder = _replacing_decoder  # type: ignore[attr-defined, assignment]
+        while True:
+            try:
+                super().run_input_thread()
+            except UnicodeDecodeError:
+                continue
+            return
+
+
+def driver_class(chosen: type[Driver]) -> type[Driver]:
+    """The driver kvtui runs: Textual's choice, tolerant of bad input where it is Linux's."""
+    return TolerantLinuxDriver if chosen is LinuxDriver else chosen
+
+
+def checked_driver(find: object) -> type[Driver]:
+    """The driver `find()` (Textual's `App.get_driver_class`) returns, with `DriverError` when
+    `TEXTUAL_DRIVER` names a module that does not import or something that is not a driver."""
+    name = constants.DRIVER or ""  # TEXTUAL_DRIVER, as Textual read it when imported
+    try:
+        chosen = find()  # type: ignore[operator]
+    except Exception as exc:  # import_module and getattr raise all kinds: one line, whichever
+        raise DriverError(
+            f"TEXTUAL_DRIVER={name!r} names no Textual driver ({type(exc).__name__}: {exc}); "
+            "unset it to use this terminal"
+        ) from None
+    if not (isinstance(chosen, type) and issubclass(chosen, Driver)):
+        raise DriverError(
+            f"TEXTUAL_DRIVER={name!r} names {type(chosen).__name__} {chosen!r:.60}, not a "
+            "Textual driver; unset it to use this terminal"
+        )
+    return driver_class(chosen)
+
+
+class CommandPalette(command.CommandPalette):
+    """Textual's command palette, where a page key on a list that has no height yet does nothing
+    (Textual's `OptionList._move_page` pages from the lines it has laid out, and a list with no
+    height has none: KeyError)."""
+
+    def _action_command_list(self, action: str) -> None:
+        if action in ("page_up", "page_down"):
+            commands = self.query_one(command.CommandList)
+            if not commands.scrollable_content_region:
+                return
+        super()._action_command_list(action)

@@ -1,0 +1,141 @@
+"""The terminal side: what a terminal or an environment may send the app that Textual itself does
+not survive (bytes that are not UTF-8, a page key in a command palette not yet laid out), a
+driver or a torch setting named wrongly in the environment, and ctrl+c, which quits as q does."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+import threading
+
+import pytest
+import textual.constants
+from conftest import SETTINGS, build, wait_for
+from textual.app import App
+from textual.command import CommandList, CommandPalette
+
+from kvtui.cli import main
+
+SIZE = (100, 30)
+
+
+def test_bytes_that_are_not_utf8_and_ctrl_c_in_a_real_terminal():
+    """As `tmux send-keys -H ff fe c0 af` (a terminal sending Alt as 8-bit meta): the app reads
+    on, says nothing alarming, and then ctrl+c quits it as q does (exit 0, terminal restored)."""
+    main_fd, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    command = [sys.executable, "-m", "kvtui", "--engine", SETTINGS.engine, "--tokens", "4096"]
+    app = subprocess.Popen(
+        command, stdin=child, stdout=child, stderr=child, start_new_session=True, close_fds=True
+    )
+    os.close(child)
+    output = bytearray()
+    seen = {word: threading.Event() for word in (b"running", b"Screens")}
+
+    def read() -> None:  # drain the terminal, or the app blocks writing to it
+        while True:
+            try:
+                chunk = os.read(main_fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            output.extend(chunk)
+            for word, event in seen.items():
+                if word in output:
+                    event.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert seen[b"running"].wait(30), bytes(output[-400:])
+        os.write(main_fd, b"\xff\xfe\xc0\xaf")
+        shown = len(output)
+        os.write(main_fd, b"2")  # still reading keys: screen 2's title appears
+        assert wait_until(lambda: b"2 \xc2\xb7 " in output[shown:], 10), bytes(output[-400:])
+        os.write(main_fd, b"\x03")  # ctrl+c
+        assert app.wait(10) == 0
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait()
+    reader.join(5)
+    os.close(main_fd)
+    assert b"Traceback" not in output and b"UnicodeDecodeError" not in output
+    assert b"\x1b[?1049l" in output  # the main screen back
+
+
+def wait_until(condition, seconds: float) -> bool:
+    done = threading.Event()
+    for _ in range(int(seconds / 0.05)):
+        if condition():
+            return True
+        done.wait(0.05)
+    return bool(condition())
+
+
+async def test_paging_a_palette_list_that_has_no_height_yet():
+    """Textual's OptionList pages from the lines it has laid out, and has none while it has no
+    height (KeyError in `_move_page`): the command palette's list, between a search and its
+    layout. The app lives on."""
+    app = build(1, hold_at=10)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+p")
+        await wait_for(pilot, lambda: CommandPalette.is_open(app))
+        await pilot.press("e", "n", "g")
+        commands = app.screen.query_one(CommandList)
+        await wait_for(pilot, lambda: commands.option_count > 0)
+        commands.styles.height = 0  # as before its first layout
+        commands.highlighted = 0
+        await pilot.pause()
+        await pilot.press("pagedown", "pageup", "pagedown")
+        assert app.is_running
+        await pilot.press("escape")
+        assert not CommandPalette.is_open(app)
+
+
+async def test_ctrl_c_quits_as_q_does():
+    app = build(1, hold_at=10)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.live.state == "running")
+        await pilot.press("ctrl+c")
+        await wait_for(pilot, lambda: not app.is_running)
+    assert app.return_code == 0
+
+
+def test_a_driver_named_wrongly_is_one_line(capsys, monkeypatch):
+    import kvtui.cli
+
+    monkeypatch.setattr(kvtui.cli, "has_terminal", lambda: True)
+    monkeypatch.setattr(App, "run", lambda *a, **k: pytest.fail("the app ran"))
+    for name in ("nosuch.module:X", "textual.drivers.linux_driver:Nope", "os:path", "garbage"):
+        monkeypatch.setattr(textual.constants, "DRIVER", name)  # TEXTUAL_DRIVER, as read
+        code = main(["--engine", SETTINGS.engine])
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, ""), err
+        assert err.count("\n") == 1 and "TEXTUAL_DRIVER" in err and "Traceback" not in err, err
+
+
+def test_a_torch_that_does_not_import_is_one_line(capsys, monkeypatch):
+    """torch refuses to import where the environment sets what it will not take (TORCH_LOGS=evil
+    is a ValueError listing every valid setting; benchmarks/fuzz_inputs.py runs that one): the
+    run is refused in one line, as any failure to import torch is."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises
+    code = main(["bench", "--tokens", "2", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "torch does not import" in err, err
+
+
+def test_the_textual_names_the_guards_rely_on():
+    """kvtui.terminal replaces the decoder factory Textual's Linux driver reads input with, and
+    overrides the palette's page action: were either renamed, a guard would silently stop."""
+    from textual.drivers import linux_driver
+
+    assert callable(linux_driver.getincrementaldecoder)
+    assert callable(CommandPalette._action_command_list)
