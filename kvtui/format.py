@@ -138,6 +138,14 @@ def safe_text(text: str, *, one_line: bool = False) -> str:
     return (_UNSAFE_LINE if one_line else _UNSAFE).sub(_escape, str(text))
 
 
+def error_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception as one line a person can read: its type and its message with every run of
+    white space (newlines too) one space, escaped (`safe_text`) and cut to `limit` characters."""
+    words = " ".join(str(exc).split())
+    text = safe_text(f"{type(exc).__name__}: {words}" if words else type(exc).__name__)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]iB|B)?\s*", re.IGNORECASE)
 _SIZE_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

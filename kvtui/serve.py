@@ -26,6 +26,7 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
@@ -37,6 +38,7 @@ from urllib.parse import urlsplit
 
 from kvtui.engine.process import CHILD_CWD, absolute_paths
 from kvtui.engine.protocol import EngineError, RunSettings
+from kvtui.format import error_line, safe_text
 from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, positive_int
 
 DEFAULT_HOST = "127.0.0.1"
@@ -217,6 +219,17 @@ def same_origin(origin: str | None, host: str) -> bool:
     return urlsplit(origin).netloc.lower() == host.lower()
 
 
+_HOST = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?")
+"""A Host header as a browser sends one: a name or an address, and maybe a port; nothing else
+(the page's URLs are built from it)."""
+
+
+def valid_host(host: str | None) -> bool:
+    """Whether a request's raw Host header is one: present, not empty, a name or address and
+    maybe a port (an empty or missing Host is refused like a foreign one)."""
+    return bool(host) and _HOST.fullmatch(host or "") is not None
+
+
 def names_this_machine(host: str) -> bool:
     """Whether a Host header names the loopback (localhost, 127.0.0.1, [::1], with any port).
 
@@ -359,18 +372,27 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
             self.sockets = sockets
             self.max_sessions = max_sessions
             self.sessions: set[Session] = set()
+            self.opened = 0
+            """Sessions opened so far: each is named by its number in the log."""
             self.loopback = is_loopback(sockets)
 
         @web.middleware
-        async def check_host(self, request: web.Request, handler: Any) -> web.StreamResponse:
-            """On the loopback, a request must name the loopback (see `names_this_machine`)."""
-            if self.loopback and not names_this_machine(request.host):
+        async def check_request(self, request: web.Request, handler: Any) -> web.StreamResponse:
+            """A request must carry a Host header that is one (`valid_host`), and on the
+            loopback one that names the loopback (`names_this_machine`); a folder of the static
+            files is not listed (textual-serve serves them with a directory index)."""
+            host = request.headers.get("Host")
+            if not valid_host(host) or self.loopback and not names_this_machine(host or ""):
                 raise web.HTTPMisdirectedRequest(text="kvtui serve: open it as 127.0.0.1")
+            static = isinstance(request.match_info.route.resource, web.StaticResource)
+            folder = self.statics_path / request.match_info.get("filename", "").lstrip("/")
+            if static and folder.is_dir():
+                raise web.HTTPNotFound()
             return await handler(request)
 
         async def _make_app(self) -> web.Application:
             app = await super()._make_app()
-            app.middlewares.append(self.check_host)
+            app.middlewares.append(self.check_request)
             return app
 
         @property
@@ -402,6 +424,8 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
                 await websocket.send_str(json.dumps(["open_url", {"url": "/", "new_tab": False}]))
                 await websocket.close(code=WSCloseCode.TRY_AGAIN_LATER, message=b"busy")
                 return websocket
+            self.opened += 1
+            number, peer = self.opened, request.remote or "?"
             service = AppProcess(
                 self.command,
                 write_bytes=websocket.send_bytes,
@@ -419,8 +443,13 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
             except asyncio.CancelledError:
                 await websocket.close()
                 raise
-            except Exception:  # a malformed message from the page: this session ends, not others
-                logging.getLogger(__name__).exception("a session failed")
+            except Exception as exc:  # a malformed message from the page: this session ends
+                logging.getLogger(__name__).warning(
+                    "session %d (%s) ended: a message kvtui serve cannot read (%s)",
+                    number,
+                    peer,
+                    error_line(exc),
+                )
             finally:
                 try:
                     await asyncio.shield(service.end(STOP_GRACE_SECONDS))
@@ -466,6 +495,54 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
     return KvtuiServer()
 
 
+# --- the log: one line per event, never a traceback, rate-limited --------------------------------
+
+LOG_BURST = 10
+"""Lines the server's log may write at once; then LOG_LINES_PER_SECOND more each second."""
+LOG_LINES_PER_SECOND = 0.5
+
+
+class OneLineLog(logging.StreamHandler):  # type: ignore[type-arg]
+    """The server's log on its terminal: each record one line, `kvtui serve: what happened:
+    ExceptionType: its first line`, never a traceback (aiohttp logs every malformed request with
+    one, about 30 lines); at most LOG_BURST lines at once and LOG_LINES_PER_SECOND after, so that
+    no client can flood the presenter's terminal; the lines left out are counted on the next."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._tokens, self._at, self._left_out = float(LOG_BURST), time.monotonic(), 0
+
+    def format(self, record: logging.LogRecord) -> str:
+        words = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            words += f": {error_line(record.exc_info[1])}"
+        return safe_text(f"kvtui serve: {words}", one_line=True)[:400]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = time.monotonic()
+        self._tokens = min(LOG_BURST, self._tokens + (now - self._at) * LOG_LINES_PER_SECOND)
+        self._at = now
+        if self._tokens < 1:
+            self._left_out += 1
+            return
+        self._tokens -= 1
+        if self._left_out:
+            record = logging.makeLogRecord(record.__dict__)
+            record.msg = f"{record.getMessage()} ({self._left_out:,} more lines left out)"
+            record.args, self._left_out = None, 0
+        super().emit(record)
+
+
+def install_log(stream: Any) -> logging.Handler:
+    """The server's log (`OneLineLog` on `stream`) as the root logger's: warnings and errors of
+    kvtui, aiohttp (a bad request) and asyncio alike. Returns the handler."""
+    handler = OneLineLog(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    return handler
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """`kvtui serve`: check everything that can be checked, then serve until Ctrl+C."""
     try:
@@ -488,7 +565,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     command = app_command(args)
     server = make_server(command, sockets, args.max_sessions)
-    logging.basicConfig(level=logging.WARNING, format="kvtui serve: %(message)s")
+    install_log(sys.stderr)
 
     def on_ready() -> None:
         url = browser_url(args.host, args.port)

@@ -8,6 +8,7 @@ process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -292,3 +293,119 @@ async def test_a_process_tree_is_ended_even_when_it_ignores(ignores, ended_by):
         for process in tree:  # the engine, should the test fail before it is ended
             if serve.is_running(process):
                 os.kill(process.pid, signal.SIGKILL)
+
+
+# --- hostile traffic: one line per bad request, never a traceback ---------------------------------
+
+
+async def raw_request(port: int, data: bytes) -> bytes:
+    """The status line the server answers `data` with (b"" if it only closed the connection)."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(65536), 10)
+    except ConnectionError:
+        answer = b""
+    finally:
+        writer.close()
+    return answer.split(b"\r\n")[0]
+
+
+BAD_REQUESTS = {
+    "100 KB header": b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX: " + b"a" * 100_000 + b"\r\n\r\n",
+    "10,000 headers": b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    + b"".join(b"X%d: 1\r\n" % i for i in range(10_000))
+    + b"\r\n",
+    "1 MB URL": b"GET /" + b"a" * 1_000_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+    "invalid header bytes": b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX: \x00\x01\xff\r\n\r\n",
+    "smuggling": b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 4\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "no host": b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n",
+}
+
+
+@pytest.fixture
+def served_log():
+    """What the server would write to its terminal, through kvtui serve's own log handler."""
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = serve.install_log(stream)
+    yield stream
+    logging.getLogger().removeHandler(handler)
+
+
+async def test_each_bad_request_is_one_line_at_most(served_log):
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 0)
+    async with TestClient(TestServer(await server._make_app())) as client:
+        for name, data in BAD_REQUESTS.items():
+            before = served_log.getvalue()
+            status = await raw_request(client.port, data)
+            assert status == b"" or status.split()[1].startswith(b"4"), (name, status)
+            said = served_log.getvalue()[len(before) :]
+            assert said.count("\n") <= 1 and "Traceback" not in said, (name, said)
+
+
+async def test_bad_requests_by_the_hundred_are_rate_limited(served_log):
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 0)
+    async with TestClient(TestServer(await server._make_app())) as client:
+        for _ in range(100):
+            await raw_request(client.port, BAD_REQUESTS["invalid header bytes"])
+    lines = served_log.getvalue().splitlines()
+    assert 1 <= len(lines) <= serve.LOG_BURST + 1, lines
+
+
+async def test_a_malformed_message_ends_its_session_in_one_line(served_log, monkeypatch):
+    pytest.importorskip("textual_serve")
+    monkeypatch.setattr(serve, "STOP_GRACE_SECONDS", 0.2)  # the "app" below never quits itself
+    from aiohttp.test_utils import TestClient, TestServer
+
+    alive = shlex.join([sys.executable, "-c", "import time; time.sleep(60)"])
+    server = serve.make_server(alive, [], 4)
+    async with TestClient(TestServer(await server._make_app())) as client:
+        for message in ("not json", '["stdin"]', '["resize", {}]', '["stdin", 5]', "{}"):
+            websocket = await client.ws_connect("/ws")
+            await websocket.send_str(message)
+            await websocket.receive(timeout=10)  # the session ends: its websocket closes
+            await websocket.close()
+        for _ in range(100):  # the sessions' processes have ended
+            if not server.sessions:
+                break
+            await asyncio.sleep(0.05)
+        assert server.sessions == set()
+    lines = served_log.getvalue().splitlines()
+    assert len(lines) == 5 and "Traceback" not in served_log.getvalue(), lines
+    assert all(line.startswith("kvtui serve: session ") for line in lines), lines
+
+
+async def test_the_static_folder_is_not_listed():
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 0)
+    async with TestClient(TestServer(await server._make_app())) as client:
+        for folder in ("/static/", "/static/js", "/static/js/", "/static/css/"):
+            assert (await client.get(folder)).status == 404, folder
+        assert (await client.get("/static/js/textual.js")).status == 200
+
+
+async def test_an_empty_or_missing_host_is_refused_like_a_foreign_one():
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 0)
+    async with TestClient(TestServer(await server._make_app())) as client:
+        empty = b"GET / HTTP/1.1\r\nHost:\r\nConnection: close\r\n\r\n"
+        missing = b"GET / HTTP/1.0\r\n\r\n"
+        for data in (empty, missing):
+            assert (await raw_request(client.port, data)).split()[1] == b"421", data

@@ -43,14 +43,13 @@ from kvtui.engine.protocol import (
     StepSample,
 )
 from kvtui.engine.spec import FLOP_COUNTER_PHRASE, Progress, quiet
-from kvtui.format import format_bytes
+from kvtui.format import error_line, format_bytes
 from kvtui.gpu.cache import KVCacheFull
 from kvtui.gpu.counting import PositionCounter, flop_counter_warm
 from kvtui.gpu.device import (
     describe_device,
     device_ridge,
     dtype_name,
-    one_line,
     out_of_memory,
     pick_device,
     run_dtype,
@@ -271,7 +270,7 @@ class TorchEngine(ABC):
             if out_of_memory(exc):
                 stopped = f"out of memory at {P + done:,} tokens"
             else:  # whatever a model's forward raises ends this loop in one line, not a crash
-                failed = f"the {loop} loop failed at step {done + 1:,}: {one_line(exc)}"
+                failed = f"the {loop} loop failed at step {done + 1:,}: {error_line(exc)}"
         finally:
             if run is not None:
                 run.close()  # a stopped run's loop lets go of its cache too

@@ -171,10 +171,3 @@ def out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return True
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
-
-
-def one_line(exc: BaseException, limit: int = 200) -> str:
-    """An exception as one line for a person: its type and the first line of its message."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
