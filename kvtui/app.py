@@ -228,6 +228,12 @@ class KVApp(App[int]):
         run_id: int
 
     @dataclass
+    class EngineClosed(Message, bubble=False):
+        """A run's reader has closed its engine (the process has ended) and ended itself."""
+
+        run_id: int
+
+    @dataclass
     class DeviceProbed(Message, bubble=False):
         """The device probe answered."""
 
@@ -253,6 +259,14 @@ class KVApp(App[int]):
         """The run as it folds: only the App writes it, and the screens read `run`, its copy."""
         self.engine: EngineHandle | None = None
         self._run_id = 0
+        self._engine_run = 0
+        """The run `engine` is of (0: none)."""
+        self._readers: set[int] = set()
+        """Runs whose reader has not yet closed its engine: `engine`'s, and one ending at most."""
+        self._stop_reading = threading.Event()
+        """Set to end `engine`'s reader, which then closes the engine."""
+        self._start_waiting = False
+        """A run waits to start until the engine ending now has ended."""
         self.set_reactive(KVApp.live_run, self.live.snapshot())
         self.set_reactive(KVApp.length, self.validate_length(config.settings.tokens))
         self.set_reactive(KVApp.kv_budget, config.settings.kv_budget_bytes)
@@ -397,16 +411,37 @@ class KVApp(App[int]):
     # --- the engine --------------------------------------------------------------------------
 
     def start_run(self, settings: RunSettings | None = None) -> None:
-        """(Re)start the engine with these settings (the current ones by default)."""
-        self._close_engine_soon()
+        """(Re)start the engine with these settings (the current ones by default).
+
+        The screens show the new run at once; its engine starts when no other engine is still
+        ending, so that a burst of restarts (`r` held down) runs the last one asked for, with at
+        most one engine running and one ending at any moment (each is a process with a model in
+        memory)."""
         self._run_id += 1
         if settings is not None and settings.engine != self.live.settings.engine:
             self._default_pool = None  # another engine: its own default pool, once it has run
         self.live.reset(settings or self.live.settings)
         self.longest_run = MAX_LENGTH  # until the new run's model says
         self._run_changed()
+        if self._readers - {self._engine_run}:  # one is still ending: start when it has ended
+            self._start_waiting = True
+            return
+        self._launch()
+
+    def _launch(self) -> None:
+        """Retire the running engine (if any) and start the latest run's."""
+        self._close_engine_soon()
         self.engine = self._engine_factory(self.live.settings)
-        self._read_engine(self.engine, self._run_id)
+        self._engine_run = self._run_id
+        self._readers.add(self._run_id)
+        self._stop_reading = threading.Event()
+        self._read_engine(self.engine, self._run_id, self._stop_reading)
+
+    def on_kvapp_engine_closed(self, message: EngineClosed) -> None:
+        self._readers.discard(message.run_id)
+        if self._start_waiting and not self._readers - {self._engine_run}:
+            self._start_waiting = False
+            self._launch()
 
     def restart_with(self, engine: str) -> None:
         self.start_run(replace(self.live.settings, engine=engine))
@@ -487,9 +522,12 @@ class KVApp(App[int]):
         self._run_changed()
 
     def _close_engine_soon(self) -> None:
-        """Forget the current engine; its reader worker is cancelled and closes it."""
-        self.workers.cancel_group(self, "decode")
-        self.engine = None
+        """Stop the current engine and forget it: its reader ends, closes it and says so
+        (`EngineClosed`)."""
+        if self.engine is not None:
+            self.engine.stop()
+        self._stop_reading.set()
+        self.engine, self._engine_run = None, 0
 
     # --- a load on a served run's server (screen 3's f) --------------------------------------
 
@@ -554,6 +592,8 @@ class KVApp(App[int]):
         a spare the factory holds)."""
         self.close_load()
         engine, self.engine = self.engine, None
+        self._stop_reading.set()
+        self._start_waiting = False
         self.workers.cancel_group(self, "decode")
         if isinstance(self._engine_factory, Readies):
             self._engine_factory.close()
@@ -567,9 +607,12 @@ class KVApp(App[int]):
     def on_unmount(self) -> None:
         self.close_engine()
 
-    @work(thread=True, exclusive=True, group="decode", exit_on_error=False)
-    def _read_engine(self, engine: EngineHandle, run_id: int) -> None:
-        """Start the engine, then relay its events in batches until it ends or we are cancelled.
+    # Not exclusive: a replaced run's reader is told to end (`stop`) rather than cancelled, so
+    # that it always closes its engine and says so (a worker cancelled before it ran would not).
+    @work(thread=True, group="decode", exit_on_error=False)
+    def _read_engine(self, engine: EngineHandle, run_id: int, stop: threading.Event) -> None:
+        """Start the engine, then relay its events in batches until it ends or `stop` is set
+        (or we are cancelled); then close it and post `EngineClosed`.
 
         A helper thread blocks on the engine's pipe and feeds a queue, so this loop wakes every
         POST_INTERVAL_S to check for cancellation and to post what has arrived. It never touches
@@ -593,7 +636,7 @@ class KVApp(App[int]):
             pending: list[Event] = []
             last_post = 0.0
             ended = False
-            while not ended and not worker.is_cancelled:
+            while not ended and not stop.is_set() and not worker.is_cancelled:
                 try:
                     item = inbox.get(timeout=POST_INTERVAL_S)
                     while True:
@@ -611,7 +654,10 @@ class KVApp(App[int]):
             if ended:
                 self.post_message(self.EngineExited(run_id))
         finally:
-            engine.close(timeout=1.0)
+            try:
+                engine.close(timeout=1.0)
+            finally:
+                self.post_message(self.EngineClosed(run_id))
 
     def on_kvapp_engine_reported(self, message: EngineReported) -> None:
         if message.run_id != self._run_id:
