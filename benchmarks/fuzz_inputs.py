@@ -1,19 +1,35 @@
 """Hostile inputs, many of them: what kvtui does with each, counted by category.
 
-    python benchmarks/fuzz_inputs.py [--examples 2000] [--seed 0] [--out results.json]
+    python benchmarks/fuzz_inputs.py [--examples 2000] [--seed 0] [--only records paths ...]
+                                     [--out results.json]
 
-The strategies are tests/test_hostile_inputs.py's (which runs 25 examples of each); here each
-category gets `--examples` of them, every one run through `kvtui.cli.main` in this process:
+The strategies are tests/test_hostile_inputs.py's and tests/hostile.py's (the suite runs a few
+examples of the cheap ones); here each category gets its share of `--examples`, every input run
+through `kvtui.cli.main` in this process, or through `python -m kvtui` where the process itself is
+the input (its environment, its standard streams), or sent to a running `kvtui serve`, or typed
+into the app in tmux:
 
 - configs: `kvtui budget --config FILE` on config.json files of any field types and sizes;
 - records: `kvtui bench --engine replay:FILE` on good records with fields, lines or bytes edited;
+- record numbers: one numeric field of a record at an edge (0, 2^63, a subnormal, 1e308...);
+- records in the app: such records, and ones whose strings hold markup, actions and control
+  characters, replayed in the app (headless) on every screen;
 - cli numbers: `--tokens`, `--seed`, `--temperature`, `--context`... given any text;
-- safetensors: the app's check of a model folder whose model.safetensors has any header.
+- paths: replay:, --model, --record, --config and the app's replay: given paths as people type
+  them (~user, 300-byte names, trailing slashes, devices);
+- safetensors: the app's check of a model folder whose model.safetensors has any header;
+- model folders: `kvtui bench --model DIR` on a small Llama whose config, weights or tokenizer
+  were edited (another model_type, a window of 0, a tensor dropped or reshaped...);
+- environment: a kvtui command whose environment sets one variable to a hostile value;
+- streams: commands with stdin, stdout or stderr closed, or full;
+- serve http: raw requests to a running `kvtui serve` (malformed, huge, foreign Hosts);
+- serve websocket: sessions sent malformed messages;
+- app keys: the app in tmux (100x30), sent random keys, invalid UTF-8 and the command palette.
 
-An input ends in exit 0 or exit 2 (with one line on stderr); anything else is a failure: a
-traceback (an exception out of `main`), a hang (over 10 s), another exit status, or more than one
-line of stderr for a refusal. Prints a table and the first example of each failure; exits 1 if
-there was any.
+An input ends in exit 0 or exit 2 (with one line on stderr), or is "shown", "answered", "closed",
+"refused" or a session that ran or ended; anything else is a failure: a traceback, a hang, another
+exit status, more than one line, or a security finding. Prints a table and the first example of
+each failure; exits 1 if there was any.
 """
 
 from __future__ import annotations
@@ -22,6 +38,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -33,9 +50,20 @@ sys.path.insert(0, str(ROOT))  # tests/ holds the strategies
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
+from tests import hostile as sweep  # noqa: E402
 from tests import test_hostile_inputs as hostile  # noqa: E402
 
-OK = ("exit 0", "exit 2")
+OK = (
+    "exit 0",
+    "exit 2",
+    "shown",
+    "answered",
+    "closed",
+    "waits for the rest",
+    "session ran",
+    "session ended",
+    "alive, quit with q",
+)
 
 
 class Output:
@@ -51,7 +79,9 @@ class Output:
         return out, err
 
 
-def sweep(strategy, try_one, examples: int, random_seed: int) -> tuple[Counter, dict, float]:
+def sweep_category(
+    strategy, try_one, examples: int, random_seed: int
+) -> tuple[Counter, dict, float]:
     """Run `try_one` on `examples` values of `strategy`; the outcomes counted, the first value
     of each failure, and the seconds taken."""
     counts: Counter = Counter()
@@ -79,53 +109,260 @@ def sweep(strategy, try_one, examples: int, random_seed: int) -> tuple[Counter, 
     return counts, first, time.perf_counter() - started
 
 
+def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, float]:
+    """The app in tmux at 100x30, sent `keys` random keys per run (letters, arrows, page keys,
+    the palette, bytes that are not UTF-8), then q: "alive, quit with q" when it was still up,
+    quit with exit 0, left no engine and showed no traceback."""
+    import random
+    import shlex
+    import shutil
+    import subprocess
+
+    counts: Counter = Counter()
+    first: dict = {}
+    started = time.perf_counter()
+    if not shutil.which("tmux"):
+        counts["no tmux"] += runs
+        return counts, first, 0.0
+    rng = random.Random(random_seed)
+    named = [
+        "r",
+        "q",
+        "1",
+        "2",
+        "3",
+        "space",
+        "Left",
+        "Right",
+        "PageDown",
+        "PageUp",
+        "Up",
+        "Down",
+        "Enter",
+        "Escape",
+        "Tab",
+        "BSpace",
+        "C-p",
+        "?",
+        "t",
+        "l",
+        "c",
+        "v",
+        "m",
+        "g",
+        "k",
+        "b",
+        "n",
+        "[",
+        "]",
+        "\\",
+        "+",
+        "-",
+        "e",
+        "a",
+        "x",
+        "Home",
+        "End",
+        "F1",
+        "C-l",
+    ]
+    hexes = ["ff", "fe", "c0 af", "e1", "80", "ed a0 80", "f8 88 80 80 80", "1b 5b 39 39 39 39 7e"]
+    for run in range(runs):
+        session = f"robust-sweep-{os.getpid()}-{run}"
+        with tempfile.TemporaryDirectory() as scratch:
+            status_file = Path(scratch) / "status"
+            app = shlex.join(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvtui",
+                    "--engine",
+                    "sim:llama-3.1-8b@h100",
+                    "--tokens",
+                    "4096",
+                ]
+            )
+            script = f"{app}; echo $? > {shlex.quote(str(status_file))}; sleep 600"
+            subprocess.run(
+                ["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", script],
+                check=True,
+            )
+            sent = []
+            try:
+                time.sleep(3)
+                for _ in range(keys):
+                    if rng.random() < 0.08:
+                        code = rng.choice(hexes)
+                        subprocess.run(
+                            ["tmux", "send-keys", "-t", session, "-H", *code.split()], check=False
+                        )
+                        sent.append(f"hex {code}")
+                        continue
+                    key = rng.choice(named)
+                    if key == "q":
+                        key = "r"  # q would end the run early: it is tested at the end
+                    subprocess.run(["tmux", "send-keys", "-t", session, key], check=False)
+                    sent.append(key)
+                time.sleep(2)
+                screen = subprocess.run(
+                    ["tmux", "capture-pane", "-p", "-t", session],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout
+                alive = not status_file.exists()
+                for _ in range(3):  # close the palette or help, then quit
+                    subprocess.run(["tmux", "send-keys", "-t", session, "Escape"], check=False)
+                subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=False)
+                deadline = time.monotonic() + 15
+                while not status_file.exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                status = status_file.read_text().strip() if status_file.exists() else "none"
+                after = subprocess.run(
+                    ["tmux", "capture-pane", "-p", "-t", session],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout
+            finally:
+                subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+            if "Traceback" in screen + after or "Error" in screen:
+                result = "traceback on screen"
+            elif not alive:
+                result = f"app ended by itself (exit {status})"
+            elif status != "0":
+                result = "hang" if status == "none" else f"exit {status}"
+            else:
+                result = "alive, quit with q"
+            counts[result] += 1
+            if result not in OK:
+                first.setdefault(result, " ".join(sent)[-200:] + "\n" + after)
+    return counts, first, time.perf_counter() - started
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--examples", type=int, default=2000, help="inputs per category")
+    parser.add_argument("--examples", type=int, default=2000, help="inputs per cheap category")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", nargs="*", help="run these categories only")
     parser.add_argument("--out", type=Path, help="also write the counts as JSON here")
     args = parser.parse_args()
+    n = args.examples
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
+        served: dict = {}
+
+        def server():
+            if "server" not in served:
+                served["server"] = sweep.Served(
+                    folder, "--engine", "sim:gpt2@t4", "--tokens", "64", "--max-sessions", "8"
+                )
+            return served["server"]
+
+        # name: (strategy, try_one(value, read_output), examples)
         categories = {
-            "configs": (hostile.configs, lambda v, read: hostile.try_config(folder, v, read)),
-            "records": (hostile.records(), lambda v, read: hostile.try_record(folder, v, read)),
-            "cli numbers": (hostile.cli_values, lambda v, read: hostile.try_cli(*v, read)),
+            "configs": (hostile.configs, lambda v, read: hostile.try_config(folder, v, read), n),
+            "records": (hostile.records(), lambda v, read: hostile.try_record(folder, v, read), n),
+            "record numbers": (
+                sweep.record_numbers(),
+                lambda v, read: hostile.try_record(folder, v, read),
+                n // 2,
+            ),
+            "records in app": (
+                sweep.record_numbers() | sweep.records_with_text(),
+                lambda v, read: sweep.try_record_in_app(folder, v, read),
+                max(20, n // 25),
+            ),
+            "cli numbers": (hostile.cli_values, lambda v, read: hostile.try_cli(*v, read), n),
+            "paths": (sweep.paths, lambda v, read: sweep.try_path(folder, v, read), n // 4),
             "safetensors": (
                 hostile.safetensors_files(),
                 lambda v, read: hostile.try_weights(folder, v, read),
+                n,
+            ),
+            "model folders": (
+                sweep.model_folders,
+                lambda v, read: sweep.try_model_folder(folder, v, read),
+                max(20, n // 25),
+            ),
+            "environment": (
+                sweep.environments,
+                lambda v, read: sweep.try_environment(v),
+                max(20, n // 25),
+            ),
+            "streams": (
+                sweep.streams,
+                lambda v, read: sweep.try_streams(folder, v),
+                max(20, n // 40),
+            ),
+            "serve http": (
+                sweep.http_requests,
+                lambda v, read: sweep.try_http(server(), v),
+                n // 4,
+            ),
+            "serve websocket": (
+                sweep.websocket_messages,
+                lambda v, read: sweep.try_websocket(server(), v),
+                max(20, n // 40),
             ),
         }
+        chosen = args.only or [*categories, "app keys"]
         results = {}
-        for name, (strategy, try_one) in categories.items():
-            counts, first, seconds = sweep(strategy, try_one, args.examples, args.seed)
-            results[name] = {"counts": dict(counts), "first": first, "seconds": seconds}
+        try:
+            for name in chosen:
+                if name == "app keys":
+                    counts, first, seconds = app_keys(max(4, n // 250), 500, args.seed)
+                else:
+                    strategy, try_one, examples = categories[name]
+                    counts, first, seconds = sweep_category(strategy, try_one, examples, args.seed)
+                results[name] = {"counts": dict(counts), "first": first, "seconds": seconds}
+                print(f"{name}: {dict(counts)} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+        finally:
+            if "server" in served:
+                log = served["server"].lines()
+                served["server"].close()
+                results.setdefault("serve log", {"lines": len(log), "last": log[-5:]})
 
-    print(f"{args.examples:,} examples per category, seed {args.seed}\n")
-    head = ("category", "inputs", "exit 0", "exit 2", "tracebacks", "hangs", "wrong exit", "lines")
-    print("{:<12} {:>7} {:>7} {:>7} {:>11} {:>6} {:>11} {:>6}  {:>7}".format(*head, "seconds"))
+    print(f"{n:,} examples per cheap category, seed {args.seed}\n")
+    head = ("category", "inputs", "fine", "tracebacks", "hangs", "wrong exit", "lines", "security")
+    print("{:<16} {:>7} {:>7} {:>11} {:>6} {:>11} {:>6} {:>9}  {:>7}".format(*head, "seconds"))
     failed = False
     for name, result in results.items():
+        if "counts" not in result:
+            continue
         c = result["counts"]
-        tracebacks = sum(n for k, n in c.items() if k.startswith("traceback"))
-        hangs = c.get("hang", 0)
-        wrong = sum(n for k, n in c.items() if k.startswith("exit ") and k not in OK)
-        lines = sum(n for k, n in c.items() if k.endswith("stderr lines"))
-        failed = failed or bool(tracebacks or hangs or wrong or lines)
-        row = (name, sum(c.values()), c.get("exit 0", 0), c.get("exit 2", 0))
+        tracebacks = sum(v for k, v in c.items() if "traceback" in k)
+        hangs = sum(v for k, v in c.items() if k in ("hang", "hang on quit"))
+        security = sum(v for k, v in c.items() if k.startswith("security"))
+        lines = sum(v for k, v in c.items() if k.endswith("lines"))
+        fine = sum(v for k, v in c.items() if k in OK or k.startswith("refused"))
+        wrong = sum(c.values()) - fine - tracebacks - hangs - security - lines
+        failed = failed or bool(tracebacks or hangs or wrong or lines or security)
         print(
-            f"{row[0]:<12} {row[1]:>7,} {row[2]:>7,} {row[3]:>7,} {tracebacks:>11,} {hangs:>6,} "
-            f"{wrong:>11,} {lines:>6,}  {result['seconds']:>7.1f}"
+            f"{name:<16} {sum(c.values()):>7,} {fine:>7,} {tracebacks:>11,} {hangs:>6,} "
+            f"{wrong:>11,} {lines:>6,} {security:>9,}  {result['seconds']:>7.1f}"
         )
     for name, result in results.items():
-        for what, value in result["first"].items():
-            print(f"\n{name}: {what}\n  first input: {repr(value)[:300]}")
+        if "counts" in result:
+            print(
+                f"\n{name}: " + ", ".join(f"{k} {v:,}" for k, v in sorted(result["counts"].items()))
+            )
+    for name, result in results.items():
+        for what, value in result.get("first", {}).items():
+            shown = value if name == "app keys" else repr(value)[:300]
+            print(f"\n{name}: {what}\n  first input: {shown}")
+    if "serve log" in results:
+        print(f"\nkvtui serve wrote {results['serve log']['lines']:,} lines in all; the last:")
+        for line in results["serve log"]["last"]:
+            print(f"  {line[:160]}")
     if args.out:
         summary = {
-            name: {"counts": r["counts"], "seconds": r["seconds"]} for name, r in results.items()
+            name: {"counts": r["counts"], "seconds": r["seconds"]}
+            for name, r in results.items()
+            if "counts" in r
         }
-        args.out.write_text(json.dumps({"examples": args.examples, "seed": args.seed, **summary}))
+        args.out.write_text(json.dumps({"examples": n, "seed": args.seed, **summary}))
     return 1 if failed else 0
 
 

@@ -5,7 +5,8 @@ Textual itself does not survive, each guarded here, at kvtui's edge, until Textu
   Textual's Linux driver's input thread with a UnicodeDecodeError, and the app with it
   (textual#6456): `TolerantLinuxDriver` reads on past them.
 - A page key in the command palette while its list has no height yet raises KeyError in
-  `OptionList._move_page`: `CommandPalette` lets such a page key do nothing.
+  `OptionList._move_page`, and a selection that reaches it twice dismisses it twice (popping
+  another screen, or raising ScreenStackError): `CommandPalette` lets such keys do nothing.
 - `TEXTUAL_DRIVER` naming no driver raised from deep in Textual: `driver_class` says so in a line.
 
 The reports for Textual, with minimal reproductions, are in docs/upstream/.
@@ -16,8 +17,10 @@ from __future__ import annotations
 import codecs
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from textual import command, constants
+from textual.await_complete import AwaitComplete
 from textual.driver import Driver
 from textual.drivers import linux_driver
 from textual.drivers.linux_driver import LinuxDriver
@@ -77,13 +80,24 @@ def checked_driver(find: object) -> type[Driver]:
 
 
 class CommandPalette(command.CommandPalette):
-    """Textual's command palette, where a page key on a list that has no height yet does nothing
-    (Textual's `OptionList._move_page` pages from the lines it has laid out, and a list with no
-    height has none: KeyError)."""
+    """Textual's command palette, where keys that reach it at the wrong moment do nothing:
+
+    - a page key while its list has no height yet (Textual's `OptionList._move_page` pages from
+      the lines it has laid out, and a list with no height has none: KeyError), or while it is
+      being removed (no list left: NoMatches);
+    - a second selection or Escape after it has dismissed itself (Enter typed twice): Textual's
+      palette dismisses itself again, popping whatever screen is then on top, or raising
+      ScreenStackError when only the app's own is left."""
 
     def _action_command_list(self, action: str) -> None:
-        if action in ("page_up", "page_down"):
-            commands = self.query_one(command.CommandList)
-            if not commands.scrollable_content_region:
-                return
+        lists = self.query(command.CommandList)
+        if not lists:
+            return
+        if action in ("page_up", "page_down") and not lists.first().scrollable_content_region:
+            return
         super()._action_command_list(action)
+
+    def dismiss(self, result: Any = None) -> AwaitComplete:
+        if not self.is_active:  # dismissed already: not on top of the stack any more
+            return AwaitComplete.nothing()
+        return super().dismiss(result)

@@ -36,7 +36,7 @@ from kvtui.engine.model_files import check_model_files, check_positions, read_mo
 from kvtui.engine.protocol import EngineError, RunSettings
 from kvtui.engine.spec import FLOP_COUNTER_PHRASE, Progress, quiet
 from kvtui.engine.torch_engine import TorchEngine
-from kvtui.format import format_bytes
+from kvtui.format import error_line, format_bytes
 from kvtui.gpu.counting import PositionCounter, count_flops, flop_counter_warm
 from kvtui.gpu.device import available_bytes, dtype_name, out_of_memory, pick_device, run_dtype
 from kvtui.sim.catalog import ConfigError, ModelSpec
@@ -66,9 +66,10 @@ def _version(transformers: Any) -> tuple[int, int]:
 
 
 def _one_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else type(exc).__name__
-    return text if len(text) <= 160 else text[:157] + "..."
+    """What transformers said, in a line: its message (type and all, where it says little)."""
+    words = " ".join(str(exc).split())
+    text = words if len(words) > 12 else error_line(exc)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 @contextmanager
@@ -464,6 +465,12 @@ def open_hf_engine(settings: RunSettings, directory: Path, progress: Progress = 
     dtype, dtype_source = run_dtype(device, spec.default_dtype)  # torch_dtype, where it can
     label = model_label(directory, config)
     with _quiet(transformers):
+        try:  # what transformers makes of config.json, before the tokenizer reads it too
+            transformers.AutoConfig.from_pretrained(
+                str(directory), local_files_only=True, trust_remote_code=False
+            )
+        except Exception as exc:  # its validators raise all kinds: one line, whichever
+            raise EngineError(f"{directory}/config.json: {_one_line(exc)}") from None
         progress("loading the tokenizer")
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(

@@ -16,10 +16,12 @@ import threading
 import pytest
 import textual.constants
 from conftest import SETTINGS, build, wait_for
+from textual import events
 from textual.app import App
 from textual.command import CommandList, CommandPalette
 
 from kvtui.cli import main
+from kvtui.screens.recompute import RecomputeScreen
 
 SIZE = (100, 30)
 
@@ -97,6 +99,28 @@ async def test_paging_a_palette_list_that_has_no_height_yet():
         assert app.is_running
         await pilot.press("escape")
         assert not CommandPalette.is_open(app)
+
+
+async def test_a_selection_that_reaches_the_palette_twice():
+    """Enter typed twice before the palette closes: Textual's palette dismissed itself twice
+    (ScreenStackError, or the screen under it popped). Also a page key while it goes."""
+    app = build(1, hold_at=10)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+p")
+        await wait_for(pilot, lambda: CommandPalette.is_open(app))
+        await pilot.press(*"theme")
+        commands = app.screen.query_one(CommandList)
+        await wait_for(pilot, lambda: commands.option_count > 0)
+        for key in ("down", "enter", "enter", "enter", "pagedown"):
+            app.post_message(events.Key(key, None))  # as a terminal delivers them: at once
+        await pilot.pause()
+        await pilot.pause()
+        assert app.is_running
+        for _ in range(4):  # the theme picker the selection opened, if it is open
+            if CommandPalette.is_open(app):
+                await pilot.press("escape")
+        assert not CommandPalette.is_open(app)
+        assert isinstance(app.screen, RecomputeScreen)  # nothing popped beyond the palettes
 
 
 async def test_ctrl_c_quits_as_q_does():
