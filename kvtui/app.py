@@ -24,7 +24,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -33,10 +33,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from textual import work
 from textual.app import App
 from textual.binding import Binding
-from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.command import CommandListItem, DiscoveryHit, Hit, Hits, Provider, SimpleProvider
 from textual.driver import Driver
 from textual.message import Message
 from textual.reactive import var
+from textual.theme import ThemeProvider
+from textual.widget import AwaitMount
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
@@ -289,6 +291,20 @@ class KVApp(App[int]):
     def action_command_palette(self) -> None:
         if self.use_command_palette and not CommandPalette.is_open(self):
             self.push_screen(CommandPalette(id="--command-palette"))
+
+    def search_themes(self) -> None:  # the palette's "Theme" command: kvtui's palette too
+        self.push_screen(
+            CommandPalette(providers=[ThemeProvider], placeholder="Search for themes…")
+        )
+
+    def search_commands(
+        self, commands: Sequence[CommandListItem], placeholder: str = "Search for commands…"
+    ) -> AwaitMount:
+        return self.push_screen(
+            CommandPalette(
+                providers=[SimpleProvider(self.screen, commands)], placeholder=placeholder
+            )
+        )
 
     # --- startup and screens -----------------------------------------------------------------
 

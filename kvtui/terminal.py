@@ -15,12 +15,14 @@ The reports for Textual, with minimal reproductions, are in docs/upstream/.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 from textual import command, constants
 from textual.await_complete import AwaitComplete
+from textual.binding import Binding
 from textual.driver import Driver
 from textual.drivers import linux_driver
 from textual.drivers.linux_driver import LinuxDriver
@@ -89,13 +91,22 @@ class CommandPalette(command.CommandPalette):
       palette dismisses itself again, popping whatever screen is then on top, or raising
       ScreenStackError when only the app's own is left."""
 
+    BINDINGS = [  # first, whichever widget has focus: the list's own page keys are unguarded
+        Binding("pagedown", "command_list('page_down')", show=False, priority=True),
+        Binding("pageup", "command_list('page_up')", show=False, priority=True),
+    ]
+
     def _action_command_list(self, action: str) -> None:
         lists = self.query(command.CommandList)
         if not lists:
             return
-        if action in ("page_up", "page_down") and not lists.first().scrollable_content_region:
+        if action not in ("page_up", "page_down"):
+            super()._action_command_list(action)
             return
-        super()._action_command_list(action)
+        if not lists.first().scrollable_content_region:
+            return
+        with contextlib.suppress(KeyError, IndexError):  # lines not laid out yet, as above
+            super()._action_command_list(action)
 
     def dismiss(self, result: Any = None) -> AwaitComplete:
         if not self.is_active:  # dismissed already: not on top of the stack any more

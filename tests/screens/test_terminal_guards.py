@@ -96,6 +96,15 @@ async def test_paging_a_palette_list_that_has_no_height_yet():
         commands.highlighted = 0
         await pilot.pause()
         await pilot.press("pagedown", "pageup", "pagedown")
+        await pilot.press("escape")
+        app.search_themes()  # the palette's Theme command: a palette of its own
+        await wait_for(pilot, lambda: app.screen.query(CommandList))
+        themes = app.screen.query_one(CommandList)
+        await wait_for(pilot, lambda: themes.option_count > 0)
+        themes.styles.height = 0
+        themes.highlighted = 0
+        await pilot.pause()
+        await pilot.press("pagedown", "pageup")
         assert app.is_running
         await pilot.press("escape")
         assert not CommandPalette.is_open(app)
