@@ -213,10 +213,11 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                 alive = not status_file.exists()
                 for _ in range(3):  # close the palette or help, then quit
                     subprocess.run(["tmux", "send-keys", "-t", session, "Escape"], check=False)
-                subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=False)
+                    time.sleep(0.3)  # apart: Escape then q at once is alt+q
                 deadline = time.monotonic() + 15
                 while not status_file.exists() and time.monotonic() < deadline:
-                    time.sleep(0.1)
+                    subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=False)
+                    time.sleep(1.0)
                 status = status_file.read_text().strip() if status_file.exists() else "none"
                 after = subprocess.run(
                     ["tmux", "capture-pane", "-p", "-t", session],

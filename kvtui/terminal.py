@@ -89,7 +89,8 @@ class CommandPalette(command.CommandPalette):
       being removed (no list left: NoMatches);
     - a second selection or Escape after it has dismissed itself (Enter typed twice): Textual's
       palette dismisses itself again, popping whatever screen is then on top, or raising
-      ScreenStackError when only the app's own is left."""
+      ScreenStackError when only the app's own is left;
+    - a change of its list's visibility while it is being removed (NoMatches)."""
 
     BINDINGS = [  # first, whichever widget has focus: the list's own page keys are unguarded
         Binding("pagedown", "command_list('page_down')", show=False, priority=True),
@@ -107,6 +108,10 @@ class CommandPalette(command.CommandPalette):
             return
         with contextlib.suppress(KeyError, IndexError):  # lines not laid out yet, as above
             super()._action_command_list(action)
+
+    def _watch__list_visible(self) -> None:
+        if self.query(command.CommandList):  # else it is being removed: nothing to show
+            super()._watch__list_visible()
 
     def dismiss(self, result: Any = None) -> AwaitComplete:
         if not self.is_active:  # dismissed already: not on top of the stack any more

@@ -132,6 +132,19 @@ async def test_a_selection_that_reaches_the_palette_twice():
         assert isinstance(app.screen, RecomputeScreen)  # nothing popped beyond the palettes
 
 
+async def test_a_palette_being_removed_shows_nothing():
+    """The palette's list-visibility watcher, run as the palette goes (NoMatches in Textual)."""
+    app = build(1, hold_at=10)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+p")
+        await wait_for(pilot, lambda: app.screen.query(CommandList))
+        palette = app.screen
+        await palette.query_one(CommandList).remove()  # as while it is being removed
+        palette._list_visible = not palette._list_visible
+        await pilot.pause()
+        assert app.is_running
+
+
 async def test_ctrl_c_quits_as_q_does():
     app = build(1, hold_at=10)
     async with app.run_test(size=SIZE) as pilot:
@@ -171,4 +184,5 @@ def test_the_textual_names_the_guards_rely_on():
     from textual.drivers import linux_driver
 
     assert callable(linux_driver.getincrementaldecoder)
-    assert callable(CommandPalette._action_command_list)
+    for name in ("_action_command_list", "_watch__list_visible", "dismiss"):
+        assert callable(getattr(CommandPalette, name)), name
