@@ -289,8 +289,10 @@ class KVApp(App[int]):
         return checked_driver(super().get_driver_class)
 
     def action_command_palette(self) -> None:
+        # No id, where Textual gives it "--command-palette": ctrl+p again while the last one
+        # is still being removed made a second node of that id (DuplicateIds, in the sweep).
         if self.use_command_palette and not CommandPalette.is_open(self):
-            self.push_screen(CommandPalette(id="--command-palette"))
+            self.push_screen(CommandPalette())
 
     def search_themes(self) -> None:  # the palette's "Theme" command: kvtui's palette too
         self.push_screen(
