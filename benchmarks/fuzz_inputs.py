@@ -313,7 +313,7 @@ def main() -> int:
         try:
             for name in chosen:
                 if name == "app keys":
-                    counts, first, seconds = app_keys(max(4, n // 250), 500, args.seed)
+                    counts, first, seconds = app_keys(max(4, n // 125), 500, args.seed)
                 else:
                     strategy, try_one, examples = categories[name]
                     counts, first, seconds = sweep_category(strategy, try_one, examples, args.seed)
