@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtui.engine.protocol import (
+    MAX_RUN_BATCH,
     MAX_TOKENS,
     EngineError,
     Event,
@@ -47,6 +48,9 @@ MAX_RECORD_BYTES = 256 * MIB
 """The largest record read: a run of MAX_TOKENS tokens in both loops is about 160 MB."""
 MAX_LINE_BYTES = MIB
 """The longest line read (a step is about 300 bytes; the header holds the prompt)."""
+MAX_POSITIONS = 2**24
+"""The most positions (and layers, heads, head size) a recorded run's model may state: 16,777,216,
+as kvtui.sim.hf_config's MAX_SIZE."""
 MAX_STEP_SECONDS = 3600.0
 """The longest step replayed: replay sleeps each step's time, and an hour per step is past any
 run worth replaying."""
@@ -143,6 +147,7 @@ class _RunOrder:
         if isinstance(event, RunStarted):
             if self.started is not None:
                 raise self._bad(number, "a second 'started' event: a record holds one run")
+            self._check_started(number, event)
             self.started = event
             return
         if self.started is None:
@@ -173,6 +178,12 @@ class _RunOrder:
                 f"more {loop} steps than the {min(self.started.tokens, MAX_TOKENS):,} "
                 "a run may have",
             )
+        if event.positions_computed > self.started.batch * (event.position + 1):
+            raise self._bad(
+                number,
+                f"{loop} step {event.step:,} computed {event.positions_computed:,} positions, "
+                f"more than its batch of {self.started.batch} has at position {event.position:,}",
+            )
         if event.step_seconds > MAX_STEP_SECONDS:
             raise self._bad(
                 number,
@@ -180,6 +191,25 @@ class _RunOrder:
                 f"kvtui replays steps of at most {MAX_STEP_SECONDS:,.0f} s)",
             )
         self.steps[loop] = done + 1
+
+    def _check_started(self, number: int, started: RunStarted) -> None:
+        """The sizes a run's start states, each within what a run can have (a batch of 0, or a
+        pool of blocks of no tokens, would be divided by)."""
+        ranges = {
+            "batch": (started.batch, 1, MAX_RUN_BATCH),
+            "tokens": (started.tokens, 1, MAX_TOKENS),
+            "prompt_tokens": (started.prompt_tokens, 1, MAX_POSITIONS),
+            "layers": (started.layers, 1, MAX_POSITIONS),
+            "kv_heads": (started.kv_heads, 1, MAX_POSITIONS),
+            "head_dim": (started.head_dim, 1, MAX_POSITIONS),
+            "threads": (started.threads, 0, MAX_POSITIONS),
+        }
+        if started.kv_block_tokens is not None or started.kv_capacity_bytes is not None:
+            ranges["kv_block_tokens"] = (started.kv_block_tokens or 0, 1, MAX_POSITIONS)
+            ranges["kv_bytes_per_token"] = (started.kv_bytes_per_token, 1, 2**40)
+        for name, (value, low, high) in ranges.items():
+            if not low <= value <= high:
+                raise self._bad(number, f"{name} is {value:,}; a run has {low:,} to {high:,}")
 
     def finish(self) -> None:
         if self.started is None:

@@ -125,9 +125,9 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
     what a slow engine is doing while it gets ready, in a phrase at a time."""
     spec = check_run(settings)
     say = progress or quiet
-    if spec.kind == "hf":  # the folder first: torch and transformers take seconds to import
+    if spec.kind == "hf":  # its config first: torch and transformers take seconds to import
         assert spec.path is not None  # parse_engine sets it for hf:
-        check_model_files(spec.path, read_model_config(spec.path))
+        read_model_config(spec.path)
     if spec.kind in ("tiny", "shape", "hf") and "torch" not in sys.modules:
         say("importing torch")
     if spec.kind in ("tiny", "shape", "hf"):
