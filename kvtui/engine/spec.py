@@ -441,19 +441,20 @@ def shape_bytes(model: ModelSpec, context: int, batch: int, *, gpu: bool) -> tup
 
 def free_memory(settings: RunSettings) -> tuple[int, str, bool] | None:
     """This machine's free memory where a torch engine would run (bytes, what it is, whether
-    a GPU), torch-free: a GPU's as NVML reads it, else free host RAM; None where it cannot be
-    read (a GPU without NVML)."""
-    import os
-
+    a GPU), torch-free: a GPU's as NVML reads it, else the host's (kvtui.gpu.host.host_room);
+    None where it cannot be read (a GPU without NVML)."""
     if settings.device != "cpu" and cuda_visible():
         from kvtui.gpu.probe import probe_summary
 
         free = probe_summary().get("free_bytes")
         return (free, "free GPU memory", True) if isinstance(free, int) else None
+    from kvtui.gpu.host import host_room
+
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM", False
-    except (ValueError, OSError):
+        room, where = host_room()  # a container's or a shell's limit too
+    except EngineError:
         return None
+    return room, where, False
 
 
 def check_shape_fits(settings: RunSettings, spec: EngineSpec) -> None:

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvtui.cli import main  # noqa: E402
-from kvtui.gpu import device  # noqa: E402
+from kvtui.gpu import host  # noqa: E402
 
 GIB = 2**30
 
@@ -33,7 +33,7 @@ def fake_cgroup(tmp_path, membership: str, files: dict[str, str]):
 @pytest.fixture
 def unlimited(monkeypatch):
     """No address-space limit, whatever the machine running the tests has."""
-    monkeypatch.setattr(device.resource, "getrlimit", lambda which: (-1, -1))
+    monkeypatch.setattr(host.resource, "getrlimit", lambda which: (-1, -1))
 
 
 def test_a_cgroup_v2_limit_bounds_the_room(tmp_path, unlimited):
@@ -48,7 +48,7 @@ def test_a_cgroup_v2_limit_bounds_the_room(tmp_path, unlimited):
             "kubepods/pod1/box/memory.current": f"{GIB // 2}\n",
         },
     )
-    room, where = device.host_room(proc=proc, cgroup=cgroup)
+    room, where = host.host_room(proc=proc, cgroup=cgroup)
     assert room == 3 * GIB  # the tightest ancestor: 4 GiB less the 1 GiB it holds
     assert "memory.max" in where
 
@@ -62,18 +62,18 @@ def test_a_cgroup_v1_limit_bounds_the_room(tmp_path, unlimited):
             "memory/docker/abc/memory.usage_in_bytes": f"{GIB // 4}\n",
         },
     )
-    room, where = device.host_room(proc=proc, cgroup=cgroup)
+    room, where = host.host_room(proc=proc, cgroup=cgroup)
     assert room == 2 * GIB - GIB // 4 and "memory.limit_in_bytes" in where
 
 
 def test_an_address_space_limit_bounds_the_room(tmp_path, monkeypatch):
     proc, cgroup = fake_cgroup(tmp_path, "0::/\n", {})
     monkeypatch.setattr(
-        device.resource,
+        host.resource,
         "getrlimit",
         lambda which: (3 * GIB, -1) if which == resource.RLIMIT_AS else (-1, -1),
     )
-    room, where = device.host_room(proc=proc, cgroup=cgroup)
+    room, where = host.host_room(proc=proc, cgroup=cgroup)
     assert room == 2 * GIB  # 3 GiB of address space, 1 GiB of it (VmSize) already mapped
     assert "ulimit -v" in where
 
@@ -86,8 +86,8 @@ def test_a_model_past_the_containers_limit_is_refused_before_it_is_built(
         "0::/box\n",
         {"box/memory.max": f"{4 * GIB}\n", "box/memory.current": f"{GIB // 2}\n"},
     )
-    monkeypatch.setattr(device, "PROC", proc)
-    monkeypatch.setattr(device, "CGROUP", cgroup)
+    monkeypatch.setattr(host, "PROC", proc)
+    monkeypatch.setattr(host, "CGROUP", cgroup)
     code = main(["bench", "--engine", "shape:llama-3.2-1b", "--device", "cpu", "--tokens", "2"])
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")

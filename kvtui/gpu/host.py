@@ -1,0 +1,94 @@
+"""The memory this process may take on its host, torch-free: the free RAM, and the limits a
+container or a shell sets below it (cgroup v2 and v1, `ulimit -v`). Read by the torch engines'
+pre-checks (kvtui.gpu.device.available_bytes) and by the check before an app opens
+(kvtui.engine.spec.free_memory) alike."""
+
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+
+from kvtui.engine.protocol import EngineError
+
+PROC = Path("/proc")
+CGROUP = Path("/sys/fs/cgroup")
+_NO_LIMIT = 2**60
+"""cgroup v1 writes "no limit" as a number near 2^63; anything past this is none."""
+
+
+def host_room(*, proc: Path | None = None, cgroup: Path | None = None) -> tuple[int, str]:
+    """The memory this process may still take on the host, and what bounds it, in words: the
+    least of the free host RAM, the room left under an address-space limit (`ulimit -v`,
+    RLIMIT_AS, against the address space already mapped) and the room left in its cgroup and
+    every cgroup above it (v2 `memory.max` less `memory.current`, v1 `memory.limit_in_bytes` less
+    `memory.usage_in_bytes`): a container with 4 GB on a large host has 4 GB, whatever the host
+    has free. `EngineError` when the free RAM cannot be read. (`proc` and `cgroup`: where /proc
+    and /sys/fs/cgroup are, PROC and CGROUP.)"""
+    proc, cgroup = proc or PROC, cgroup or CGROUP
+    try:
+        rooms = [(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM")]
+    except (ValueError, OSError) as exc:
+        raise EngineError(f"cannot read this machine's free memory: {exc}") from None
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft >= 0:
+        mapped = _status_bytes(proc / "self" / "status", "VmSize")
+        room = "the room under this process's address-space limit (ulimit -v)"
+        rooms.append((max(0, soft - mapped), room))
+    rooms += _cgroup_rooms(proc / "self" / "cgroup", cgroup)
+    return min(rooms)
+
+
+def _read_int(path: Path) -> int | None:
+    """The number a cgroup or /proc file holds; None for "max", a missing or unreadable file."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _status_bytes(path: Path, field: str) -> int:
+    """A `kB` field of /proc/self/status, in bytes (0 where it cannot be read)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == field and value.split() and value.split()[0].isdigit():
+                return int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _cgroup_rooms(membership: Path, root: Path) -> list[tuple[int, str]]:
+    """The room left in each cgroup this process is in, and each above it, that has a limit."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return []
+    rooms = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, where = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # v2: one unified hierarchy
+            top, limit_file, used_file = root, "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):  # v1: the memory controller's own
+            top, limit_file, used_file = (
+                root / "memory",
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
+        else:
+            continue
+        folder = top / where.strip("/")
+        while folder.is_relative_to(top):
+            limit = _read_int(folder / limit_file)
+            if limit is not None and limit < _NO_LIMIT:
+                used = _read_int(folder / used_file) or 0
+                rooms.append(
+                    (max(0, limit - used), f"the room in this process's cgroup ({limit_file})")
+                )
+            if folder == top:
+                break
+            folder = folder.parent
+    return rooms
