@@ -107,7 +107,8 @@ async def test_a_model_folder_named_in_markup_shows_as_named(tmp_path):
         await pilot.press("plus", "plus", "plus", "plus", "plus", "plus")  # past its 256 positions
         await pilot.pause()
         shown = screen_text(app)
-        assert "What-if: [$nope][@click=app.quit]x" in shown
+        assert "(modelled): [$nope][@click=app.quit]x" in shown  # the what-if's title
+        assert "[$nope][@click=app.quit]x (from config.json) was built" in shown  # its advice
         assert app.is_running
 
 
