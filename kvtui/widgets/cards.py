@@ -8,7 +8,6 @@ from textual.widget import Widget
 from textual.widgets import Digits
 
 from kvtui.widgets.note import Note
-from kvtui.widgets.plain import plain
 
 _DIGIT_CHARS = set("0123456789.,x+-")
 """What big digits draw (a thousands comma as a space: Textual's Digits has no comma)."""
@@ -96,7 +95,7 @@ class StatCard(Widget):
         wordings = (self.note,) if isinstance(self.note, str) else self.note
         room = self.outer_size.width - 6  # the corners and a dash each side
         fits = [w for w in wordings if len(w) <= room]
-        self.border_subtitle = plain(fits[0] if fits else (wordings[-1] if wordings else ""))
+        self.border_subtitle = fits[0] if fits else (wordings[-1] if wordings else "")
 
     def _show(self) -> None:
         """Draw this card's row again: big digits for all of its figures, or for none."""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from kvtui.widgets.plain import plain
-
 
 class Note(Static):
     """A Static for text set again and again (a run note, a card's figure, a status mark).
@@ -29,7 +27,7 @@ class Note(Static):
             return
         self._text = text
         lines = self.content_size.height
-        self.update(plain(text), layout=False)  # text, never markup
+        self.update(text, layout=False)
         height = self.styles.height
         if height is not None and not height.is_auto:
             return  # the stylesheet fixes the height, whatever the text
