@@ -31,7 +31,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
   t  p         explain it back (the lesson's questions); presenter mode
   ctrl+p       command palette: engines, what-if, themes, screenshot
   ?            this help (escape closes it)
-  q            quit"""
+  q, ctrl+c    quit"""
 
 
 class HelpScreen(ModalScreen[None]):

@@ -153,7 +153,7 @@ async def test_80x24_help_fits_without_scrolling():
         await pilot.press("question_mark")
         await pilot.pause()
         text = screen_text(app)
-        assert "kvtui: why LLM decoding" in text and "q            quit" in text
+        assert "kvtui: why LLM decoding" in text and "q, ctrl+c    quit" in text
 
 
 async def test_80x24_quiz_shows_the_feedback_whole():
