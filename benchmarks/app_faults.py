@@ -90,7 +90,7 @@ class Pane:
     exit status, then stays so that the terminal can be looked at after the app has gone."""
 
     def __init__(self, name: str, workdir: Path) -> None:
-        self.session = f"kvtui-faults-{name}"
+        self.session = f"kvtui-faults-{os.getpid()}-{name}"  # another run beside it keeps its own
         self.dir = workdir / name
         self.dir.mkdir()
         self.engines_seen: set[int] = set()
