@@ -63,6 +63,7 @@ OK = (
     "session ran",
     "session ended",
     "alive, quit with q",
+    "python refused to start",
 )
 
 
@@ -107,6 +108,10 @@ def sweep_category(
     started = time.perf_counter()
     run()
     return counts, first, time.perf_counter() - started
+
+
+TMUX = ["tmux", "-L", f"kvtui-sweep-{os.getpid()}"]
+"""The sweep's own tmux server: its sessions come and go without touching anyone else's."""
 
 
 def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, float]:
@@ -184,7 +189,7 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
             )
             script = f"{app}; echo $? > {shlex.quote(str(status_file))}; sleep 600"
             subprocess.run(
-                ["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", script],
+                [*TMUX, "new-session", "-d", "-s", session, "-x", "100", "-y", "30", script],
                 check=True,
             )
             sent = []
@@ -194,39 +199,39 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                     if rng.random() < 0.08:
                         code = rng.choice(hexes)
                         subprocess.run(
-                            ["tmux", "send-keys", "-t", session, "-H", *code.split()], check=False
+                            [*TMUX, "send-keys", "-t", session, "-H", *code.split()], check=False
                         )
                         sent.append(f"hex {code}")
                         continue
                     key = rng.choice(named)
                     if key == "q":
                         key = "r"  # q would end the run early: it is tested at the end
-                    subprocess.run(["tmux", "send-keys", "-t", session, key], check=False)
+                    subprocess.run([*TMUX, "send-keys", "-t", session, key], check=False)
                     sent.append(key)
                 time.sleep(2)
                 screen = subprocess.run(
-                    ["tmux", "capture-pane", "-p", "-t", session],
+                    [*TMUX, "capture-pane", "-p", "-t", session],
                     capture_output=True,
                     text=True,
                     check=False,
                 ).stdout
                 alive = not status_file.exists()
                 for _ in range(3):  # close the palette or help, then quit
-                    subprocess.run(["tmux", "send-keys", "-t", session, "Escape"], check=False)
+                    subprocess.run([*TMUX, "send-keys", "-t", session, "Escape"], check=False)
                     time.sleep(0.3)  # apart: Escape then q at once is alt+q
                 deadline = time.monotonic() + 15
                 while not status_file.exists() and time.monotonic() < deadline:
-                    subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=False)
+                    subprocess.run([*TMUX, "send-keys", "-t", session, "q"], check=False)
                     time.sleep(1.0)
                 status = status_file.read_text().strip() if status_file.exists() else "none"
                 after = subprocess.run(
-                    ["tmux", "capture-pane", "-p", "-t", session],
+                    [*TMUX, "capture-pane", "-p", "-t", session],
                     capture_output=True,
                     text=True,
                     check=False,
                 ).stdout
             finally:
-                subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+                subprocess.run([*TMUX, "kill-session", "-t", session], check=False)
             if "Traceback" in screen + after or "Error" in screen:
                 result = "traceback on screen"
             elif not alive:
@@ -238,6 +243,7 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
             counts[result] += 1
             if result not in OK:
                 first.setdefault(result, " ".join(sent)[-200:] + "\n" + after)
+    subprocess.run([*TMUX, "kill-server"], capture_output=True, check=False)
     return counts, first, time.perf_counter() - started
 
 

@@ -412,6 +412,8 @@ def run_outcome(done: subprocess.CompletedProcess[str] | None, seconds: float) -
     if done is None:
         return "hang"
     code, err = done.returncode, done.stderr
+    if code == 1 and "Fatal Python error: init_" in err:  # PYTHONIOENCODING=nosuchcodec, say
+        return "python refused to start"  # before any of kvtui's code: `python -c pass` too
     if "Traceback" in err or "Traceback" in done.stdout:
         line = [ln for ln in err.splitlines() if ln.strip()][-1:] or ["?"]
         return f"traceback {line[0][:80]}"
