@@ -187,7 +187,9 @@ def output_file(text: str) -> Path:
     in `/`, which asks for a directory, nor a directory that exists (`InputError`)."""
     path = user_path(text)
     if text.endswith("/") or path.is_dir():
-        raise InputError(f"{_shown_path(text)} names a directory; give a file's name")
+        raise InputError(
+            f"{_shown_path(text)} names a directory, not a regular file; give a file's name"
+        )
     return path
 
 

@@ -198,10 +198,10 @@ class _RunOrder:
         ranges = {
             "batch": (started.batch, 1, MAX_RUN_BATCH),
             "tokens": (started.tokens, 1, MAX_TOKENS),
-            "prompt_tokens": (started.prompt_tokens, 1, MAX_POSITIONS),
-            "layers": (started.layers, 1, MAX_POSITIONS),
-            "kv_heads": (started.kv_heads, 1, MAX_POSITIONS),
-            "head_dim": (started.head_dim, 1, MAX_POSITIONS),
+            "prompt_tokens": (started.prompt_tokens, 0, MAX_POSITIONS),
+            "layers": (started.layers, 0, MAX_POSITIONS),  # 0: not known (a served run)
+            "kv_heads": (started.kv_heads, 0, MAX_POSITIONS),
+            "head_dim": (started.head_dim, 0, MAX_POSITIONS),
             "threads": (started.threads, 0, MAX_POSITIONS),
         }
         if started.kv_block_tokens is not None or started.kv_capacity_bytes is not None:
