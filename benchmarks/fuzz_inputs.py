@@ -64,6 +64,7 @@ OK = (
     "session ended",
     "alive, quit with q",
     "python refused to start",
+    "quit from the palette",
 )
 
 
@@ -193,6 +194,7 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                 check=True,
             )
             sent = []
+            last_seen, last_enter, last_alive, alive_at = "", 0, "", 0
             try:
                 time.sleep(3)
                 for _ in range(keys):
@@ -206,6 +208,23 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                     key = rng.choice(named)
                     if key == "q":
                         key = "r"  # q would end the run early: it is tested at the end
+                    if len(sent) % 10 == 0 and not status_file.exists():  # the app, as last seen
+                        shown = subprocess.run(
+                            [*TMUX, "capture-pane", "-p", "-t", session],
+                            capture_output=True,
+                            text=True,
+                            check=False,
+                        ).stdout
+                        if "Quit" in shown or "Close" in shown:
+                            last_alive, alive_at = shown, len(sent)
+                    if key == "Enter" and not status_file.exists():  # what Enter may choose
+                        last_seen = subprocess.run(
+                            [*TMUX, "capture-pane", "-p", "-t", session],
+                            capture_output=True,
+                            text=True,
+                            check=False,
+                        ).stdout
+                        last_enter = len(sent)
                     subprocess.run([*TMUX, "send-keys", "-t", session, key], check=False)
                     sent.append(key)
                 time.sleep(2)
@@ -216,11 +235,12 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                     check=False,
                 ).stdout
                 alive = not status_file.exists()
-                for _ in range(3):  # close the palette or help, then quit
-                    subprocess.run([*TMUX, "send-keys", "-t", session, "Escape"], check=False)
-                    time.sleep(0.3)  # apart: Escape then q at once is alt+q
-                deadline = time.monotonic() + 15
+                deadline = time.monotonic() + 20
                 while not status_file.exists() and time.monotonic() < deadline:
+                    # Escape closes one palette, help or quiz a press (a q typed into a palette's
+                    # search is text); q then quits. Apart: Escape and q at once are alt+q.
+                    subprocess.run([*TMUX, "send-keys", "-t", session, "Escape"], check=False)
+                    time.sleep(0.3)
                     subprocess.run([*TMUX, "send-keys", "-t", session, "q"], check=False)
                     time.sleep(1.0)
                 status = status_file.read_text().strip() if status_file.exists() else "none"
@@ -234,8 +254,14 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                 subprocess.run([*TMUX, "kill-session", "-t", session], check=False)
             if "Traceback" in screen + after or "Error" in screen:
                 result = "traceback on screen"
+            elif not alive and "Quit the application" in last_seen:
+                result = "quit from the palette"  # the random keys chose its Quit command
+                before = " ".join(sent[max(0, last_enter - 20) : last_enter])
+                first.setdefault(result, f"{before}\n{last_seen}")
             elif not alive:
                 result = f"app ended by itself (exit {status})"
+                since = " ".join(sent[alive_at:])[:300]
+                first.setdefault(result, f"last seen up, then: {since}\n{last_alive}")
             elif status != "0":
                 result = "hang" if status == "none" else f"exit {status}"
             else:
