@@ -121,7 +121,7 @@ RECORDS = {
     ),
     "a loop that finished twice": (lambda lines: lines + [lines[-1]], "after the cached loop"),
     "a finish that miscounts": (_set(-1, steps=99), "finished after 99 steps, not"),
-    "a batch of none": (_set(1, batch=0), "batch is 0; a run has 1 to 256"),
+    "a batch of none": (_set(1, batch=0), "batch must be from 1 to 256, not 0"),
     "blocks of no tokens": (_set(1, kv_block_tokens=0), "kv_block_tokens is 0"),
     "more positions than exist": (_set(2, positions_computed=2**62), "more than its batch"),
     "an empty run": (lambda lines: lines[:2], "empty run"),

@@ -235,8 +235,10 @@ class RunStarted:
     kind: str = field(default="started", init=False)
 
     def __post_init__(self) -> None:
-        if self.batch < 1:  # every step's counts are divided by it
-            raise ValueError(f"started event: batch must be at least 1, not {self.batch}")
+        if not 1 <= self.batch <= MAX_RUN_BATCH:  # every step's counts are divided by it
+            raise ValueError(
+                f"started event: batch must be from 1 to {MAX_RUN_BATCH}, not {self.batch}"
+            )
         object.__setattr__(self, "prompt_pieces", tuple(self.prompt_pieces))
         if self.prompt_pieces and len(self.prompt_pieces) != self.prompt_tokens:
             raise ValueError(

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtui.engine.protocol import (
-    MAX_RUN_BATCH,
     MAX_TOKENS,
     EngineError,
     Event,
@@ -194,9 +193,8 @@ class _RunOrder:
 
     def _check_started(self, number: int, started: RunStarted) -> None:
         """The sizes a run's start states, each within what a run can have (a batch of 0, or a
-        pool of blocks of no tokens, would be divided by)."""
+        pool of blocks of no tokens, would be divided by; the batch is RunStarted's own check)."""
         ranges = {
-            "batch": (started.batch, 1, MAX_RUN_BATCH),
             "tokens": (started.tokens, 1, MAX_TOKENS),
             "prompt_tokens": (started.prompt_tokens, 0, MAX_POSITIONS),
             "layers": (started.layers, 0, MAX_POSITIONS),  # 0: not known (a served run)
