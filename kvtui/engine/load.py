@@ -363,17 +363,10 @@ class LoadProcess:
 
     def close(self, timeout: float = 2.0) -> None:
         """End the load now (its requests are closed) and reap it."""
-        proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for stream in (self._out, self._err):
-            if stream is not None:
-                stream.close()
+        from kvtui.engine.process import end_process
+
+        if self._proc is not None:
+            end_process(self._proc, timeout, (self._out, self._err))
         self._out = self._err = None
 
 

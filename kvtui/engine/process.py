@@ -26,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kvtui.engine.protocol import (
     MAX_PROGRESS_CHARS,
@@ -141,15 +141,26 @@ class WarmChild:
         with contextlib.suppress(OSError, ValueError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(0.5)
+        end_process(self.proc, 0.5, (self.proc.stdout, self.stderr))
+
+
+def end_process(proc: subprocess.Popen[Any], grace_s: float, streams: Iterable[Any] = ()) -> None:
+    """End a child of kvtui's that is still running (SIGTERM, then SIGKILL after `grace_s`),
+    reap it, and close its `streams`: the one way the engine, a spare, the tricks' table and a
+    load are ended."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        for stream in (self.proc.stdout, self.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                if stream:
-                    stream.close()
+            proc.kill()
+            proc.wait()
+    for stream in streams:
+        with contextlib.suppress(OSError, ValueError):
+            if stream is not None:
+                stream.close()
 
 
 TORCH_KINDS = ("tiny", "shape", "hf")
@@ -292,19 +303,9 @@ class EngineProcess:
             with contextlib.suppress(OSError, ValueError):
                 if proc.stdin is not None:  # always a pipe (`start`)
                     proc.stdin.close()  # EOF stops the child too
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout / 2)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout / 2)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        for stream in (proc.stdout, proc.stdin, self._stderr):
-            with contextlib.suppress(OSError, ValueError):
-                if stream:
-                    stream.close()
+        end_process(proc, timeout / 2, (proc.stdout, proc.stdin, self._stderr))
 
 
 # --- the child ----------------------------------------------------------------------------------

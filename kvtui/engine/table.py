@@ -415,19 +415,11 @@ class TableProcess:
             yield {"kind": "failed", "message": f"the table's process stopped: {why}"[:200]}
 
     def close(self, timeout: float = 1.0) -> None:
-        import subprocess
+        from kvtui.engine.process import end_process
 
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for stream in (getattr(proc, "stdout", None), self._stderr):
-            if stream is not None:
-                stream.close()
+        if proc is not None:
+            end_process(proc, timeout, (proc.stdout, self._stderr))
 
 
 class InProcessTable:
