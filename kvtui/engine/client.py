@@ -148,20 +148,9 @@ class Server:
             f"{self.url}{path} answered HTTP {response.status}" + _error_message(data)
         )
 
-    def text(self, path: str, limit: int) -> str:
-        """A GET's body as text (UTF-8, bad bytes replaced)."""
-        conn, response = self._request("GET", path, None, self.timeout)
-        try:
-            data = self._read(response, limit, path)
-        except (OSError, http.client.HTTPException) as exc:
-            raise self._failed(exc) from None
-        finally:
-            conn.close()
-        self._check(response, data, path)
-        return data.decode("utf-8", errors="replace")
-
-    def json(self, path: str, body: Any = None, limit: int = MAX_JSON_BYTES) -> Any:
-        """A GET's (or, with a body, a POST's) JSON answer."""
+    def _body(self, path: str, body: Any, limit: int) -> bytes:
+        """A GET's (or, with a body, a POST's) answer, read whole (at most `limit` bytes) and
+        checked."""
         conn, response = self._request("GET" if body is None else "POST", path, body, self.timeout)
         try:
             data = self._read(response, limit, path)
@@ -170,6 +159,15 @@ class Server:
         finally:
             conn.close()
         self._check(response, data, path)
+        return data
+
+    def text(self, path: str, limit: int) -> str:
+        """A GET's body as text (UTF-8, bad bytes replaced)."""
+        return self._body(path, None, limit).decode("utf-8", errors="replace")
+
+    def json(self, path: str, body: Any = None, limit: int = MAX_JSON_BYTES) -> Any:
+        """A GET's (or, with a body, a POST's) JSON answer."""
+        data = self._body(path, body, limit)
         try:
             return json.loads(data)
         except ValueError:
