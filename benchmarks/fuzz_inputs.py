@@ -188,7 +188,10 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                     "4096",
                 ]
             )
-            script = f"{app}; echo $? > {shlex.quote(str(status_file))}; sleep 600"
+            # In the scratch folder, with it as home: a Screenshot the keys choose lands there.
+            here = shlex.quote(scratch)
+            status = shlex.quote(str(status_file))
+            script = f"cd {here} && HOME={here} {app}; echo $? > {status}; sleep 600"
             subprocess.run(
                 [*TMUX, "new-session", "-d", "-s", session, "-x", "100", "-y", "30", script],
                 check=True,
