@@ -550,7 +550,9 @@ class TricksScreen(LessonScreen):
         pool_line = self.query_one(f"#pool-{side}", PoolLine)
         stream = self.query_one(f"#stream-{side}", TokenStream)
         run = self.race.get(side)
-        stream.border_title = "plain cache" if side == "plain" else self.race_variant.words
+        title = "plain cache" if side == "plain" else self.race_variant.words
+        placeholder = run is not None and run.how == "modelled"  # sim: decodes no text of its own
+        stream.border_title = f"{title} · placeholder text" if placeholder else title
         if run is None:
             pool_line.show(0, "", False)
             stream.show("", "", 0)
@@ -564,7 +566,13 @@ class TricksScreen(LessonScreen):
             state = "FULL" if full else "done" if live.freed else f"{trace.steps:,} tok"
             words = f"{format_bytes(held)}/{format_bytes(cap)} {state}"
             pool_line.show(held / cap if cap else 0, words, full)
-        stream.show(trace.text, trace.last_text, trace.steps, prompt=run.prompt_text)
+        stream.show(
+            trace.text,
+            trace.last_text,
+            trace.steps,
+            prompt=run.prompt_text,
+            placeholder=placeholder,
+        )
         finished = trace.finished
         if full:
             stream.border_subtitle = f"stopped at {trace.steps:,}: pool full"

@@ -43,6 +43,8 @@ async def test_the_table_and_the_race_fit_80x24_and_say_where_each_figure_came_f
         assert "stopped at" in (
             screen.query_one("#stream-plain", TokenStream).border_subtitle or ""
         )
+        for side in ("plain", "trick"):  # sim: decodes no text: its stand-in says so
+            assert "placeholder text" in str(screen.query_one(f"#stream-{side}").border_title)
         fp8 = screen.table.rows["fp8"]
         assert fp8["tokens_before_full_predicted"] == fp8["steps"]  # the stop, as predicted
         assert "✓" in text
