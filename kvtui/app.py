@@ -44,7 +44,7 @@ from textual.worker import Worker, WorkerState, get_current_worker
 from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.engine.spec import parse_engine
 from kvtui.format import safe_text
-from kvtui.options import UsageError
+from kvtui.options import THEMES, UsageError
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
@@ -123,6 +123,8 @@ class AppConfig:
     """Start the engine as soon as the app is up."""
     present: bool = False
     """Open in presenter mode (kvtui.screens.present; `p` toggles it)."""
+    theme: str = "dark"
+    """The colours to open with, a key of kvtui.options.THEMES."""
     table_factory: TableFactory = table_process
     """What measures screen 4's table (a child process; in tests, `sim:` in this process)."""
 
@@ -311,6 +313,7 @@ class KVApp(App[int]):
     # --- startup and screens -----------------------------------------------------------------
 
     def on_mount(self) -> None:
+        self.theme = THEMES[self.config.theme]
         screens = {
             "recompute": RecomputeScreen(self.live_run).data_bind(KVApp.length, run=KVApp.live_run),
             "cache": CacheScreen(self.live_run).data_bind(
@@ -760,6 +763,7 @@ def make_app(
     engine_factory: EngineFactory | None = None,
     autostart: bool = True,
     present: bool = False,
+    theme: str = "dark",
     table_factory: TableFactory = table_process,
 ) -> KVApp:
     """The one factory that builds the app, for the CLI and for the tests."""
@@ -769,6 +773,7 @@ def make_app(
         probe=probe,
         autostart=autostart,
         present=present,
+        theme=theme,
         table_factory=table_factory,
     )
     return KVApp(config, engine_factory)
@@ -779,13 +784,15 @@ SIGNAL_GRACE_S = 2.0
 ended."""
 
 
-def run_app(settings: RunSettings, screen: int = 1, *, present: bool = False) -> int:
+def run_app(
+    settings: RunSettings, screen: int = 1, *, present: bool = False, theme: str = "dark"
+) -> int:
     """Open the app on a screen, run it, and return its exit code. SIGINT, SIGTERM and SIGHUP
     end it as `q` does (the terminal is restored and the engine's process closed), with the exit
     code a shell expects of that signal (130, 143, 129): left to asyncio, a SIGINT ended the
     app with 0, as if it had succeeded."""
     try:
-        app = make_app(settings, screen, present=present)
+        app = make_app(settings, screen, present=present, theme=theme)
     except DriverError as exc:
         raise UsageError(f"kvtui: {exc}") from None
 

@@ -72,7 +72,7 @@ def cmd_app(args: argparse.Namespace) -> int:
         )
     from kvtui.app import run_app
 
-    return int(run_app(settings, screen=args.screen, present=args.present) or 0)
+    return int(run_app(settings, screen=args.screen, present=args.present, theme=args.theme) or 0)
 
 
 def has_terminal() -> bool:

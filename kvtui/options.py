@@ -40,6 +40,9 @@ TEMPERATURE_RANGE = (0.01, 100.0)
 """Below 0.01 the logits overflow float32 (use --greedy); above 100 every token is as likely."""
 REPLAY_SPEED_RANGE = (0.01, 1000.0)
 """0, or this: a step never sleeps more than 100x its recorded (or roofline) time."""
+THEMES = {"dark": "textual-dark", "light": "textual-light"}
+"""`--theme`'s choices and the Textual themes they open with: the two whose rendered contrast
+kvtui's tests measure (tests/screens/test_contrast.py)."""
 
 
 class UsageError(Exception):
@@ -331,6 +334,13 @@ def add_run_options(group: Any, *, app: bool) -> None:
             "--present",
             action="store_true",
             help="presenter mode: the lesson one idea at a time, large figures (p toggles it)",
+        )
+        group.add_argument(
+            "--theme",
+            choices=list(THEMES),
+            default="dark",
+            help="the colours to open with (default dark; light for a projector in a bright "
+            "room); the palette's Theme command changes them while the app runs",
         )
     else:
         group.add_argument(

@@ -323,6 +323,10 @@ def test_unknown_subcommand(capsys):
     assert_usage_error(capsys, "frobnicate", says="invalid choice")
 
 
+def test_an_unknown_theme_is_refused_before_the_app_opens(capsys):
+    assert_usage_error(capsys, "--theme", "solarized", says="choose from 'dark', 'light'")
+
+
 def test_help_exits_zero(capsys):
     assert main(["--help"]) == 0
     assert "budget" in capsys.readouterr().out

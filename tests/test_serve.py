@@ -135,7 +135,7 @@ def test_any_other_address_warns_in_one_line(capsys, made):
 def test_each_tab_runs_the_app_with_the_options_given(made, capsys):
     prompt = 'It\'s a "truth"; $(rm -rf ~) `x`'
     options = ["--engine", ENGINE, "--tokens", "64", "--prompt", prompt, "--greedy"]
-    options += ["--screen", "2", "--present"]
+    options += ["--screen", "2", "--present", "--theme", "light"]
     code, _, _ = run(capsys, "serve", "--port", str(free_port()), "--max-sessions", "1", *options)
     assert code == 0
     argv = shlex.split(made[0].command)

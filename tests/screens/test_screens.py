@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from conftest import SETTINGS, build, notifications, screen_text, wait_for
+from conftest import PROBE, SETTINGS, build, notifications, screen_text, wait_for
 from fakes import FakeEngine, sim_events
 from textual.widgets import OptionList, Static
 
+from kvtui.app import make_app
 from kvtui.engine.roofline import MODELLED
 from kvtui.format import format_ratio
 from kvtui.screens.cache import CacheScreen
@@ -357,3 +358,15 @@ async def test_the_palettes_screenshot_is_saved(tmp_path, monkeypatch):
         assert any(n.startswith("Saved screenshot") for n in notifications(seen))
         (saved,) = tmp_path.glob("*.svg")
         assert "PER&#160;STEP" in saved.read_text(encoding="utf-8")  # spaces are &#160; in SVG
+
+
+async def test_the_app_opens_in_the_theme_asked_for_and_the_palette_still_changes_it():
+    """`--theme light`, for a projector in a bright room: textual-light from the first frame."""
+    app = make_app(SETTINGS, probe=PROBE, theme="light", engine_factory=FakeEngine)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(app, pilot)
+        assert app.theme == "textual-light"
+        assert app.current_theme.dark is False
+        app.theme = "textual-dark"  # what the palette's Theme command sets
+        await pilot.pause()
+        assert app.current_theme.dark is True
