@@ -45,7 +45,7 @@ from kvtui.format import format_bytes, format_int, format_ratio, safe_text
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LiveRun
 from kvtui.sim.tricks import references
-from kvtui.widgets.stream import TokenStream
+from kvtui.widgets.stream import WAITING, TokenStream
 
 RACE_UPDATES_PER_SECOND = 10
 """How often each race engine's events are handed to the screen, at most."""
@@ -499,7 +499,8 @@ class TricksScreen(LessonScreen):
             row = rows.get(spec.key)
             if row is None:
                 running = spec.key == measuring and self.table.started and not self.table.failed
-                words = Text("measuring…" if running else "waiting", style="dim italic")
+                state = "not run" if self.table.failed else "measuring…" if running else "waiting"
+                words = Text(state, style="dim italic")
                 table.add_row(Text(SHORT_LABELS.get(spec.key, spec.label)), words, *[""] * 5)
                 continue
             table.add_row(*_cells(row, plain))
@@ -551,6 +552,7 @@ class TricksScreen(LessonScreen):
         stream = self.query_one(f"#stream-{side}", TokenStream)
         run = self.race.get(side)
         stream.border_title = "plain cache" if side == "plain" else self.race_variant.words
+        stream.placeholder = NO_RACE if run is None else WAITING
         if run is None:
             pool_line.show(0, "", False)
             stream.show("", "", 0)
@@ -613,6 +615,10 @@ class TricksScreen(LessonScreen):
 
 
 # --- the table's cells ---------------------------------------------------------------------------
+
+
+NO_RACE = "No race on this engine: pick tiny, shape: or sim: (ctrl+p), then r."
+"""A race pane's words where the run's engine has no race (a replay, hf:, vllm:)."""
 
 
 def _short(row: dict[str, Any]) -> str:

@@ -2,6 +2,8 @@
 in-process, `sim:`) measurement, the race's plain cache turns red and stops before the trick, the
 keys pick the trick and its setting, and the essentials fit 80x24."""
 
+from pathlib import Path
+
 from kvtui.engine.protocol import RunSettings
 from kvtui.screens.tricks import PoolLine, TricksScreen
 from kvtui.testing import headless
@@ -108,3 +110,18 @@ async def test_screen_4_reads_on_both_themes():
             await run.settle()
             faint += too_faint(run, f"{theme}, screen 4")
         assert faint == []
+
+
+async def test_a_replay_has_no_tricks_and_nothing_on_screen_4_says_it_is_waiting():
+    """A replay has no table and no race to wait for: the rows and the race's panes say so,
+    where they said "waiting" (and "waiting for the first token...") for ever."""
+    asset = Path(__file__).parents[2] / "assets" / "tiny-cpu.jsonl"
+    settings = RunSettings(engine=f"replay:{asset}", replay_speed=0)
+    async with headless(settings, screen=4, size=(80, 24)) as run:
+        screen = _screen(run)
+        await run.wait_for(lambda: screen.table.failed)
+        await run.settle()
+        text = run.text()
+        assert "kvtui's own engines" in text
+        assert "waiting" not in text, text
+        assert "No race on this engine" in text
