@@ -72,7 +72,9 @@ def _total(run: LiveRun) -> Shown:
     if trace.last is None:
         return Shown(None, "positions computed in all")
     done = trace.positions_cumulative[-1]
-    return Shown(format_digits(done), f"{_how(run)}: positions in {trace.steps:,} steps")
+    return Shown(
+        format_digits(done), f"{_how(run)}: positions in {format_count(trace.steps, 'step')}"
+    )
 
 
 def _wasted(run: LiveRun) -> Shown:

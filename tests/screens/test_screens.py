@@ -8,12 +8,14 @@ from conftest import SETTINGS, build, notifications, screen_text, wait_for
 from fakes import FakeEngine, sim_events
 from textual.widgets import OptionList, Static
 
+from kvtui.engine.protocol import RunSettings
 from kvtui.engine.roofline import MODELLED
 from kvtui.format import format_ratio
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.quiz import QUESTIONS, QuizScreen
 from kvtui.screens.recompute import RecomputeScreen
+from kvtui.testing import headless
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.vram import VramBar
 
@@ -357,3 +359,10 @@ async def test_the_palettes_screenshot_is_saved(tmp_path, monkeypatch):
         assert any(n.startswith("Saved screenshot") for n in notifications(seen))
         (saved,) = tmp_path.glob("*.svg")
         assert "PER&#160;STEP" in saved.read_text(encoding="utf-8")  # spaces are &#160; in SVG
+
+
+async def test_a_one_token_run_says_one_step():
+    """A card counts in the singular too: "1 step", not "1 steps"."""
+    async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=1), 1) as run:
+        await run.until_done()
+        assert run.card("total").note == "1 step"
