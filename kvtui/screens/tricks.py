@@ -291,9 +291,15 @@ class TricksScreen(LessonScreen):
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
         self._shown = True
-        if not self.race:
+        if not self.race or self._race_stale:
             self.start_race()
         self._table_when_quiet()
+
+    @property
+    def _race_stale(self) -> bool:
+        """Whether the race shown is another engine's than the run's (ctrl+p picked one)."""
+        plain = self.race.get("plain")
+        return plain is not None and plain.settings.engine != self.run.settings.engine
 
     @property
     def racing(self) -> bool:
@@ -314,8 +320,11 @@ class TricksScreen(LessonScreen):
 
     def follow_run(self, run: LiveRun) -> None:
         """Measure the table once the main run is done, and again when its engine changes
-        (another model), once this screen has been shown and nothing else decodes."""
+        (another model), once this screen has been shown and nothing else decodes; race again
+        on the new engine."""
         if self._shown:
+            if self._race_stale and self.is_current:
+                self.start_race()
             self._table_when_quiet()
 
     def _race_settings(self) -> dict[str, RunSettings]:

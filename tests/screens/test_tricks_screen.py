@@ -125,3 +125,16 @@ async def test_a_replay_has_no_tricks_and_nothing_on_screen_4_says_it_is_waiting
         assert "kvtui's own engines" in text
         assert "waiting" not in text, text
         assert "No race on this engine" in text
+
+
+async def test_another_engine_races_again_on_screen_4():
+    """Another engine picked on screen 4 (ctrl+p) races on that engine: the race of the engine
+    before stayed on screen beside the new engine's table."""
+    async with headless(SIM, screen=4, size=(80, 24)) as run:
+        screen = await _race_and_table_done(run)
+        other = "sim:llama-3.2-1b@h100"
+        run.app.restart_with(other)
+        await run.wait_for(lambda: screen.race and screen.race["plain"].settings.engine == other)
+        await run.wait_for(lambda: not screen.racing)
+        await run.settle()
+        assert all(side.settings.engine == other for side in screen.race.values())
