@@ -26,6 +26,7 @@ from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LiveRun
 from kvtui.widgets.cache_grid import CacheGrid, CachePicture
 from kvtui.widgets.note import Note
+from kvtui.widgets.plain import plain
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ class BigFigure(Vertical):
         digits.display = shown.digits is not None
         if shown.digits is not None:
             digits.update(shown.digits)
-        self.query_one(".big--line", Note).show(shown.line)
+        self.query_one(".big--line", Note).show(plain(shown.line))  # a record's words in it
 
 
 class PresentScreen(LessonScreen):
@@ -312,7 +313,7 @@ class PresentScreen(LessonScreen):
             words += f" {time.monotonic() - run.since:.0f} s"
         elif run.started is not None:
             words = f"{run.started.model} on {run.started.device}: {words}"
-        self.query_one("#present-status", Note).show(words)
+        self.query_one("#present-status", Note).show(plain(words))  # the engine's words
 
     def redraw(self) -> None:
         node = NODES[self.node]
