@@ -26,6 +26,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.message import Message
 from textual.reactive import reactive, var
 from textual.widget import Widget
@@ -582,7 +583,7 @@ class TricksScreen(LessonScreen):
         elif finished is not None and finished.reason == "done":
             stream.border_subtitle = f"all {trace.steps:,} tokens"
         elif run.failure:
-            stream.border_subtitle = safe_text(run.failure, one_line=True)[:40]
+            stream.border_subtitle = Content(safe_text(run.failure, one_line=True)[:40])  # text
         limit = run.started.max_positions if run.started else None
         if limit and run.prompt_tokens + trace.steps > limit and not full:
             stream.border_subtitle = f"{trace.steps:,} tokens, past its {limit:,}"

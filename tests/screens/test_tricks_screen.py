@@ -4,9 +4,9 @@ keys pick the trick and its setting, and the essentials fit 80x24."""
 
 from pathlib import Path
 
-from kvtui.engine.protocol import RunSettings
+from kvtui.engine.protocol import RunFailed, RunSettings
 from kvtui.screens.tricks import PoolLine, TricksScreen
-from kvtui.testing import headless
+from kvtui.testing import ScriptedEngine, headless
 from kvtui.widgets.stream import TokenStream
 
 SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=24, replay_speed=0)
@@ -138,3 +138,20 @@ async def test_another_engine_races_again_on_screen_4():
         await run.wait_for(lambda: not screen.racing)
         await run.settle()
         assert all(side.settings.engine == other for side in screen.race.values())
+
+
+async def test_a_race_engines_message_shows_as_written():
+    """A race engine's failure is shown on its pane's border as text: a `[/dim]` in it crashed
+    the app (MarkupError), as the border read it as markup."""
+    message = "broke [/dim] here"
+
+    def engines(settings: RunSettings) -> ScriptedEngine:
+        if settings.loops == ("cached",):  # a race's engine
+            return ScriptedEngine([RunFailed(message)], settings=settings)
+        return ScriptedEngine.from_settings(settings)
+
+    async with headless(SIM, screen=4, size=(100, 30), engine=engines) as run:
+        screen = _screen(run)
+        await run.wait_for(lambda: screen.race and not screen.racing)
+        await run.settle()
+        assert message in run.text()
