@@ -105,3 +105,22 @@ async def test_at_80x24_every_figure_says_how_it_was_had_and_the_answer_is_whole
         await pilot.press("space", "space")
         assert shown(app)[0] == NODES[-1].title
         assert "are the ways out." in " ".join(screen_text(app).split())
+
+
+async def test_at_100x30_a_figures_line_wraps_whole_when_revealed():
+    """On a taller terminal a figure's line wraps: revealed, it gets every line it needs, where
+    it kept the one line it was laid out with (the rest cut)."""
+    app = presenting()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(app, pilot)
+        presses = sum(len(node.figures) + 1 for node in NODES[:3]) + len(NODES[3].figures)
+        await pilot.press(*["space"] * presses)
+        assert shown(app)[0] == NODES[3].title and len(shown(app)[1]) == 3
+        await pilot.pause()
+        heights = []
+        for line in app.screen.query(".big--line"):
+            width = line.content_size.width
+            needed = line.get_content_height(line.container_size, app.size, width)
+            assert line.content_size.height == needed, line.render().plain
+            heights.append(needed)
+        assert max(heights) > 1  # one of them wraps, at least
