@@ -102,7 +102,7 @@ def _by_count(run: LiveRun) -> Shown:
     if not n:
         return Shown(None, "fewer positions computed")
     uncached, cached = run.work_over(n)
-    return Shown(format_ratio(uncached / cached), f"{_how(run)}: fewer positions, same text")
+    return Shown(format_ratio(uncached / cached), f"{_how(run)}: less work, same tokens")
 
 
 def _wall(run: LiveRun) -> Shown:
