@@ -325,3 +325,6 @@ class PresentScreen(LessonScreen):
             figure.display = shown
             if shown:
                 figure.show(node.figures[i].label, node.figures[i].read(self.run))
+                if not figure.size.width:  # just revealed: its line gets the rows it needs
+                    # (a Note asks for a layout only once shown, and kept the text before's)
+                    figure.query_one(".big--line").refresh(layout=True)

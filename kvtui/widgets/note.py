@@ -35,7 +35,5 @@ class Note(Static):
         if height is not None and not height.is_auto:
             return  # the stylesheet fixes the height, whatever the text
         width = self.content_size.width
-        if not width:  # not laid out yet (just shown): its parent's arrangement may be the old
-            self.refresh(layout=True)  # text's, kept unless this asks for a layout
-        elif self.get_content_height(self.container_size, self.app.size, width) != lines:
+        if width and self.get_content_height(self.container_size, self.app.size, width) != lines:
             self.refresh(layout=True)
