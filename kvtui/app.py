@@ -276,11 +276,11 @@ class KVApp(App[int]):
         self.set_reactive(KVApp.kv_budget, config.settings.kv_budget_bytes)
         self.set_reactive(KVApp.batch, config.settings.batch)
         self._default_pool: int | None = None
+        """The pool an engine took without a budget, once one has run: the budget keys' top."""
         self._presented_from = MODES[0]
         """The screen presenter mode was entered from, and leaves to."""
         if config.autostart:  # the engine gets ready while the app draws its first frame
             self._ready_next()
-        """The pool an engine took without a budget, once one has run: the budget keys' top."""
         self._load: LoadProcess | None = None
         """The load `f` put on a vllm: run's server, while it runs (kvtui.engine.load)."""
         self._load_timer: Timer | None = None

@@ -1,4 +1,4 @@
-"""Help: the keys, where the engine runs, and the story the three screens tell."""
+"""Help: the keys, where the engine runs, and the story the four screens tell."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
 [b]1[/b] Without a cache, every step recomputes all tokens' keys and values.
 [b]2[/b] With the cache each step computes one new position and reads the rest.
 [b]3[/b] The cache grows with each token and sequence until its memory runs out.
+[b]4[/b] Tricks stretch it: fewer bytes a token, fewer tokens, shared prefixes.
 [b]Device[/b] $device
-  1 2 3 4      switch screen; on 4, k + - r: race a trick, its setting, again
+  1 2 3 4      switch screen; on 4, k + - r: race a trick, set it, again
   space        pause / resume the engine
   ← → - +      answer length (1, 2; shift+← → halve, double); context (3)
   r            run again, exactly the chosen length
@@ -30,8 +31,7 @@ Figures are [b]measured[/b], [b]modelled[/b] (sim:, what-if) or the [b]formula[/
   m g k b      what-if model, GPU, KV dtype, batch (3)
   t  p         explain it back (the lesson's questions); presenter mode
   ctrl+p       command palette: engines, what-if, themes, screenshot
-  ?            this help (escape closes it)
-  q, ctrl+c    quit"""
+  ?  q ctrl+c  this help (escape closes it); quit"""
 
 
 class HelpScreen(ModalScreen[None]):

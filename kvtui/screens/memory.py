@@ -506,7 +506,14 @@ class MemoryScreen(LessonScreen):
         predicted = live.stops_at
         words = Text()
         if live.full:
-            words.append(f"Stopped: {safe_text(live.full, one_line=True)}. ", style="bold")
+            # At 80x24 two lines, so that the side's live lines keep theirs: the pool's size
+            # and blocks are on the bar's border.
+            why = (
+                f"the {format_bytes(pool.capacity_bytes)} pool is full"
+                if self.has_class("-short")
+                else safe_text(live.full, one_line=True)
+            )
+            words.append(f"Stopped: {why}. ", style="bold")
             words.append(
                 f"Measured: {format_int(live.steps)} tokens, predicted "
                 f"{format_int(live.tokens_before_full or 0)}; ] and r: a larger pool. "

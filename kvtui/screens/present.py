@@ -26,6 +26,7 @@ from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LiveRun
 from kvtui.widgets.cache_grid import CacheGrid, CachePicture
 from kvtui.widgets.note import Note
+from kvtui.widgets.plain import plain
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def _per_step(run: LiveRun) -> Shown:
     if trace.last is None:
         return Shown(None, "positions the newest step computed")
     return Shown(
-        format_digits(trace.last_positions), f"positions at step {trace.steps:,} ({_how(run)})"
+        format_digits(trace.last_positions), f"{_how(run)}: positions at step {trace.steps:,}"
     )
 
 
@@ -72,7 +73,9 @@ def _total(run: LiveRun) -> Shown:
     if trace.last is None:
         return Shown(None, "positions computed in all")
     done = trace.positions_cumulative[-1]
-    return Shown(format_digits(done), f"positions in {trace.steps:,} steps ({_how(run)})")
+    return Shown(
+        format_digits(done), f"{_how(run)}: positions in {format_count(trace.steps, 'step')}"
+    )
 
 
 def _wasted(run: LiveRun) -> Shown:
@@ -82,7 +85,7 @@ def _wasted(run: LiveRun) -> Shown:
     done = trace.positions_cumulative[-1]
     redone = done - trace.last_positions  # every position but the newest step's, again
     return Shown(
-        format_digits(redone), f"computed again: {format_percent(redone / done)} ({_how(run)})"
+        format_digits(redone), f"{_how(run)}: {format_percent(redone / done)} computed again"
     )
 
 
@@ -91,7 +94,7 @@ def _with_cache(run: LiveRun) -> Shown:
     if not n:
         return Shown(None, "positions computed with the cache")
     uncached, cached = run.work_over(n)
-    return Shown(format_digits(cached), f"positions, {uncached:,} without ({_how(run)})")
+    return Shown(format_digits(cached), f"{_how(run)}: positions, {uncached:,} without")
 
 
 def _by_count(run: LiveRun) -> Shown:
@@ -99,7 +102,7 @@ def _by_count(run: LiveRun) -> Shown:
     if not n:
         return Shown(None, "fewer positions computed")
     uncached, cached = run.work_over(n)
-    return Shown(format_ratio(uncached / cached), "fewer positions, the same tokens")
+    return Shown(format_ratio(uncached / cached), f"{_how(run)}: less work, same tokens")
 
 
 def _wall(run: LiveRun) -> Shown:
@@ -108,7 +111,7 @@ def _wall(run: LiveRun) -> Shown:
     line = what.get(run.how, "faster")
     if not ratio:
         return Shown(None, line)
-    return Shown(format_ratio(ratio), f"{line} ({_how(run)}): less than by count")
+    return Shown(format_ratio(ratio), f"{_how(run)}: {line}, less than by count")
 
 
 def _token_bytes(run: LiveRun) -> Shown:
@@ -121,7 +124,7 @@ def _token_bytes(run: LiveRun) -> Shown:
     formula = (
         f"2 x {started.layers} layers x {started.kv_heads} heads x {started.head_dim} x {per} B"
     )
-    return Shown(format_digits(picture.row_bytes), f"bytes a token ({run.how}) = {formula}")
+    return Shown(format_digits(picture.row_bytes), f"{_how(run)}: bytes a token = {formula}")
 
 
 def _held(run: LiveRun) -> Shown:
@@ -130,7 +133,7 @@ def _held(run: LiveRun) -> Shown:
         return Shown(None, "keys and values held")
     number, _, unit = format_bytes(last.kv_bytes).partition(" ")
     held = format_count(last.position, "token")
-    return Shown(number.replace(",", " "), f"{unit} for {held} ({run.how}), more each step")
+    return Shown(number.replace(",", " "), f"{unit}, {_how(run)}: {held} held, more each step")
 
 
 def _fills(run: LiveRun) -> Shown:
@@ -140,7 +143,7 @@ def _fills(run: LiveRun) -> Shown:
     at = pool.pool.tokens_before_full(pool.prompt_tokens, pool.batch)
     capacity = format_bytes(pool.pool.capacity_bytes)
     return Shown(
-        format_digits(at), f"tokens fill the {capacity} pool, then it stops ({pool.source})"
+        format_digits(at), f"formula: tokens until the {capacity} pool ({pool.source}) is full"
     )
 
 
@@ -233,7 +236,7 @@ class BigFigure(Vertical):
         digits.display = shown.digits is not None
         if shown.digits is not None:
             digits.update(shown.digits)
-        self.query_one(".big--line", Note).show(shown.line)
+        self.query_one(".big--line", Note).show(plain(shown.line))  # a record's words in it
 
 
 class PresentScreen(LessonScreen):
@@ -310,7 +313,7 @@ class PresentScreen(LessonScreen):
             words += f" {time.monotonic() - run.since:.0f} s"
         elif run.started is not None:
             words = f"{run.started.model} on {run.started.device}: {words}"
-        self.query_one("#present-status", Note).show(words)
+        self.query_one("#present-status", Note).show(plain(words))  # the engine's words
 
     def redraw(self) -> None:
         node = NODES[self.node]
@@ -322,3 +325,6 @@ class PresentScreen(LessonScreen):
             figure.display = shown
             if shown:
                 figure.show(node.figures[i].label, node.figures[i].read(self.run))
+                if not figure.size.width:  # just revealed: its line gets the rows it needs
+                    # (a Note asks for a layout only once shown, and kept the text before's)
+                    figure.query_one(".big--line").refresh(layout=True)

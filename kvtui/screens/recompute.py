@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
-from kvtui.format import format_int, format_percent, format_seconds, format_tick
+from kvtui.format import format_count, format_int, format_percent, format_seconds, format_tick
 from kvtui.screens.base import WorkScreen
 from kvtui.sim.work import naive_step_positions
 from kvtui.widgets.cache_grid import CacheGrid, CachePicture
@@ -93,7 +93,7 @@ class RecomputeScreen(WorkScreen):
             redone = done - newest  # every position but the newest, again
             per_step.value = format_int(newest)  # a count of positions, not a ratio
             per_step.note = "positions"
-            total.value, total.note = format_int(done), f"{trace.steps:,} steps"
+            total.value, total.note = format_int(done), format_count(trace.steps, "step")
             wasted.value = format_int(redone)
             wasted.note = f"{format_percent(redone / done)} redone"
             wasted.set_class(redone > 0, "-bad")

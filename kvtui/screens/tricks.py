@@ -26,6 +26,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
 from textual.message import Message
 from textual.reactive import reactive, var
 from textual.widget import Widget
@@ -45,7 +46,7 @@ from kvtui.format import format_bytes, format_int, format_ratio, safe_text
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.live import LiveRun
 from kvtui.sim.tricks import references
-from kvtui.widgets.stream import TokenStream
+from kvtui.widgets.stream import WAITING, TokenStream
 
 RACE_UPDATES_PER_SECOND = 10
 """How often each race engine's events are handed to the screen, at most."""
@@ -291,9 +292,15 @@ class TricksScreen(LessonScreen):
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
         self._shown = True
-        if not self.race:
+        if not self.race or self._race_stale:
             self.start_race()
         self._table_when_quiet()
+
+    @property
+    def _race_stale(self) -> bool:
+        """Whether the race shown is another engine's than the run's (ctrl+p picked one)."""
+        plain = self.race.get("plain")
+        return plain is not None and plain.settings.engine != self.run.settings.engine
 
     @property
     def racing(self) -> bool:
@@ -314,8 +321,11 @@ class TricksScreen(LessonScreen):
 
     def follow_run(self, run: LiveRun) -> None:
         """Measure the table once the main run is done, and again when its engine changes
-        (another model), once this screen has been shown and nothing else decodes."""
+        (another model), once this screen has been shown and nothing else decodes; race again
+        on the new engine."""
         if self._shown:
+            if self._race_stale and self.is_current:
+                self.start_race()
             self._table_when_quiet()
 
     def _race_settings(self) -> dict[str, RunSettings]:
@@ -499,7 +509,8 @@ class TricksScreen(LessonScreen):
             row = rows.get(spec.key)
             if row is None:
                 running = spec.key == measuring and self.table.started and not self.table.failed
-                words = Text("measuring…" if running else "waiting", style="dim italic")
+                state = "not run" if self.table.failed else "measuring…" if running else "waiting"
+                words = Text(state, style="dim italic")
                 table.add_row(Text(SHORT_LABELS.get(spec.key, spec.label)), words, *[""] * 5)
                 continue
             table.add_row(*_cells(row, plain))
@@ -553,6 +564,7 @@ class TricksScreen(LessonScreen):
         title = "plain cache" if side == "plain" else self.race_variant.words
         placeholder = run is not None and run.how == "modelled"  # sim: decodes no text of its own
         stream.border_title = f"{title} · placeholder text" if placeholder else title
+        stream.placeholder = NO_RACE if run is None else WAITING
         if run is None:
             pool_line.show(0, "", False)
             stream.show("", "", 0)
@@ -579,7 +591,7 @@ class TricksScreen(LessonScreen):
         elif finished is not None and finished.reason == "done":
             stream.border_subtitle = f"all {trace.steps:,} tokens"
         elif run.failure:
-            stream.border_subtitle = safe_text(run.failure, one_line=True)[:40]
+            stream.border_subtitle = Content(safe_text(run.failure, one_line=True)[:40])  # text
         limit = run.started.max_positions if run.started else None
         if limit and run.prompt_tokens + trace.steps > limit and not full:
             stream.border_subtitle = f"{trace.steps:,} tokens, past its {limit:,}"
@@ -621,6 +633,10 @@ class TricksScreen(LessonScreen):
 
 
 # --- the table's cells ---------------------------------------------------------------------------
+
+
+NO_RACE = "No race on this engine: pick tiny, shape: or sim: (ctrl+p), then r."
+"""A race pane's words where the run's engine has no race (a replay, hf:, vllm:)."""
 
 
 def _short(row: dict[str, Any]) -> str:

@@ -291,6 +291,14 @@ class Chart(PlotextPlot):
     def on_resize(self) -> None:
         self._replot()
 
+    def on_mount(self) -> None:
+        self.watch(self.app, "theme", self._theme_changed, init=False)
+
+    def _theme_changed(self, _theme: str) -> None:
+        """Replot in the new theme's series colours (a `draw` reads them), once its variables
+        are the new ones: a run that has ended draws nothing more by itself."""
+        self.call_after_refresh(self._replot)
+
     def render(self) -> RenderResult:
         # PlotextPlot.render, with plot_text for Text.from_ansi(plt.build())
         plt = self.plt

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from textual.content import Content
 from textual.widgets import Static
 
 
@@ -19,10 +20,12 @@ class Note(Static):
         self, text: str = "", *, id: str | None = None, classes: str | None = None
     ) -> None:
         super().__init__(text, id=id, classes=classes)
-        self._text = text
+        self._text: str | Content = text
 
-    def show(self, text: str) -> None:
-        """Show `text`; a layout only if it takes another number of lines than the text before."""
+    def show(self, text: str | Content) -> None:
+        """Show `text` (a `str` is read as markup: text from outside comes as `Content`, as
+        kvtui.widgets.plain makes it); a layout only if it takes another number of lines than
+        the text before."""
         if text == self._text:
             return
         self._text = text

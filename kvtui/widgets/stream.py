@@ -25,6 +25,10 @@ def reflowed(text: str) -> str:
     return _LINE_BREAK.sub(" ", text)
 
 
+WAITING = "waiting for the first token..."
+"""What a stream shows before its first token."""
+
+
 class TokenStream(Widget):
     """Generated text in a bordered panel; the newest token is highlighted (the current step)."""
 
@@ -56,7 +60,7 @@ class TokenStream(Widget):
     prompt: reactive[str] = reactive("")
     text: reactive[str] = reactive("")
     current: reactive[str] = reactive("")
-    placeholder: reactive[str] = reactive("waiting for the first token...")
+    placeholder: reactive[str] = reactive(WAITING)
 
     def __init__(self, title: str, *, id: str | None = None, classes: str | None = None) -> None:
         super().__init__(id=id, classes=classes)

@@ -162,7 +162,9 @@ class VramBar(Widget):
             if cells > 0:
                 style = _legible(self.get_component_rich_style(f"vram--{part.look}"))
                 label = "▒" * cells if part.look == "tail" else f" {part.name}"
-                line.append(label[:cells].ljust(cells), style=style)
+                if len(label) > cells:  # named whole or not at all: the legend names it
+                    label = ""
+                line.append(label.ljust(cells), style=style)
         legends = [self._legend(bar, *wording) for wording in LEGENDS]
         legend = next((text for text in legends if text.cell_len <= width), legends[-1])
         return Text("\n").join([line, legend])

@@ -104,3 +104,17 @@ async def test_a_faint_colour_is_caught():
 def test_the_contrast_ratio_is_wcag_s():
     assert contrast_ratio(Color(0, 0, 0), Color(255, 255, 255)) == pytest.approx(21)
     assert contrast_ratio(Color(119, 119, 119), Color(255, 255, 255)) == pytest.approx(4.48, 0.01)
+
+
+async def test_a_chart_takes_the_new_theme_s_colours_when_the_run_has_ended():
+    """Switching theme after a run has ended (nothing left to redraw it) recolours the charts
+    too, not only their legends: the dark theme's series colours fall below 3:1 on the light
+    theme's canvas."""
+    async with headless(SETTINGS, 3, size=(100, 30)) as run:
+        await run.until_done()
+        await run.settle()
+        run.app.theme = "textual-light"
+        for _ in range(3):
+            await run.pilot.pause()  # no redraw_now: what a person sees once the theme is set
+        chart = run.app.screen.query_one("Chart").region
+        assert not too_faint(run, "screen 3's chart, textual-light", chart)

@@ -124,3 +124,24 @@ def test_any_text_is_itself_in_a_template(text):
     shown = template("[b]Live[/b] ($what) [dim]end[/dim]", what=text)
     assert isinstance(shown, Content)
     assert shown.plain == f"Live ({safe_text(text)}) end"
+
+
+async def test_presenter_mode_shows_a_records_strings_as_written(text=TEXT):
+    """Presenter mode's status line (the model, the device) and its figures' lines (the pool's
+    source) show a record's strings as text: a `[/dim]` there crashed the app."""
+    events = events_with(model=f"m{text}", device=f"d{text}", kv_pool_source=f"k{text}")
+    app = make_app(
+        replace(SETTINGS, tokens=4),
+        probe=PROBE,
+        present=True,
+        engine_factory=lambda s: ScriptedEngine(events, settings=s),
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.live.state == "done")
+        await pilot.press(*["space"] * 12)  # to node 3, its figures shown: the pool's source
+        app.screen.redraw_now()
+        await pilot.pause()
+        shown = screen_text(app)
+        lines = [note.render().plain for note in app.screen.query(".big--line")]
+        assert any(f"k{text}" in line for line in lines)  # the figure's line, as written
+        assert f"m{MARKUP[0]} {MARKUP[1]}" in shown.splitlines()[-2]

@@ -6,8 +6,11 @@ import pytest
 from conftest import PROBE, build, screen_text
 from test_screens import settle
 
+from kvtui.engine.protocol import RunSettings
 from kvtui.engine.roofline import MODELLED
+from kvtui.testing import headless
 from kvtui.widgets.chart import rolling_median
+from kvtui.widgets.vram import VramBar
 
 SMALL, MEDIUM, LARGE = (80, 24), (100, 30), (160, 48)
 
@@ -153,7 +156,10 @@ async def test_80x24_help_fits_without_scrolling():
         await pilot.press("question_mark")
         await pilot.pause()
         text = screen_text(app)
-        assert "kvtui: why LLM decoding" in text and "q, ctrl+c    quit" in text
+        assert "kvtui: why LLM decoding" in text and "quit" in text
+        help_text = app.screen.query_one("#help Static").render().plain
+        for line in help_text.splitlines():  # each line whole, on a row of its own
+            assert line.rstrip() in text, line
 
 
 async def test_80x24_quiz_shows_the_feedback_whole():
@@ -171,3 +177,18 @@ def test_rolling_median_drops_a_spike_and_keeps_a_ramp():
     ramp = [float(i) for i in range(20)]
     assert rolling_median(ramp, 9)[4:16] == ramp[4:16]
     assert rolling_median(ramp, 9, at=[0, 10, 19]) == [2.0, 10.0, 17.0]
+
+
+async def test_a_memory_bar_names_a_part_whole_or_not_at_all():
+    """A part too narrow for its name leaves it to the legend: at 160 columns the what-if's
+    1 GiB runtime part (2 cells) showed an "r" beside the free part's name."""
+    async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=24), 3, size=(160, 48)) as run:
+        await run.until_done()
+        await run.settle()
+        for bar in run.app.screen.query(VramBar):
+            assert bar.bar is not None
+            line, start = bar.render().plain.splitlines()[0], 0
+            for cells, part in zip(bar.widths(bar.bar, len(line)), bar.bar.parts, strict=True):
+                shown = line[start : start + cells].strip(" ▒")
+                start += cells
+                assert shown in ("", part.name), (line, part.name)

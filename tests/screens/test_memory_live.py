@@ -199,3 +199,16 @@ async def test_a_batch_that_runs_out_is_predicted_for_the_batch_and_tiny_budgets
         assert app.kv_budget == 1 and app.is_running
         await pilot.press("right_square_bracket")
         assert app.kv_budget == 2 << 20  # up: at least one block (16 x 128 KiB)
+
+
+async def test_at_80x24_a_stopped_pool_leaves_the_live_lines_whole():
+    """The pool full, its status says so in two lines at 80x24, so the side panel's live lines
+    (down to the FLOPs a byte) still show without scrolling, and after ] too (the next run)."""
+    app = sim_app(replace(SIM, kv_budget_bytes=4 << 20))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: finished(app) and "Stopped:" in words(app))
+        side = app.screen.query_one(".side")
+        await wait_for(pilot, lambda: side.max_scroll_y == 0 and "FLOPs/byte" in words(app))
+        await pilot.press("right_square_bracket")
+        await wait_for(pilot, lambda: "Next run:" in words(app))
+        await wait_for(pilot, lambda: side.max_scroll_y == 0 and "FLOPs/byte" in words(app))

@@ -3,6 +3,7 @@ reachable, the device out of the header."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from conftest import PROBE, SETTINGS, screen_text, wait_for
@@ -84,3 +85,42 @@ async def test_s_pauses_the_decode_p_leaves_and_the_device_is_in_help_not_the_he
         await pilot.press("p")
         await pilot.pause()
         assert isinstance(app.screen, PresentScreen)
+
+
+async def test_at_80x24_every_figure_says_how_it_was_had_and_the_answer_is_whole():
+    """A figure's line is cut to one row on a short terminal: its first words say how the
+    figure was had (measured, or the formula), so the cut never takes that, and the closing
+    answer, with no figures beside it, wraps rather than ending in an ellipsis."""
+    app = presenting()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await settle(app, pilot)
+        for node in NODES[1:-1]:
+            await pilot.press(*["space"] * (len(node.figures) + 1))
+            assert shown(app)[0] == node.title
+            lines = [f.query_one(".big--line").render().plain for f in app.screen.query(BigFigure)]
+            text = screen_text(app)
+            for label, line in zip([f.label for f in node.figures], lines, strict=False):
+                assert re.match(r"(\w+, )?(measured|formula):", line), (label, line)
+                assert line[:17] in text, (label, line)
+        await pilot.press("space", "space")
+        assert shown(app)[0] == NODES[-1].title
+        assert "are the ways out." in " ".join(screen_text(app).split())
+
+
+async def test_at_100x30_a_figures_line_wraps_whole_when_revealed():
+    """On a taller terminal a figure's line wraps: revealed, it gets every line it needs, where
+    it kept the one line it was laid out with (the rest cut)."""
+    app = presenting()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(app, pilot)
+        presses = sum(len(node.figures) + 1 for node in NODES[:3]) + len(NODES[3].figures)
+        await pilot.press(*["space"] * presses)
+        assert shown(app)[0] == NODES[3].title and len(shown(app)[1]) == 3
+        await pilot.pause()
+        heights = []
+        for line in app.screen.query(".big--line"):
+            width = line.content_size.width
+            needed = line.get_content_height(line.container_size, app.size, width)
+            assert line.content_size.height == needed, line.render().plain
+            heights.append(needed)
+        assert max(heights) > 1  # one of them wraps, at least

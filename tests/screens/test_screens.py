@@ -9,12 +9,14 @@ from fakes import FakeEngine, sim_events
 from textual.widgets import OptionList, Static
 
 from kvtui.app import make_app
+from kvtui.engine.protocol import RunSettings
 from kvtui.engine.roofline import MODELLED
 from kvtui.format import format_ratio
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.quiz import QUESTIONS, QuizScreen
 from kvtui.screens.recompute import RecomputeScreen
+from kvtui.testing import headless
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.vram import VramBar
 
@@ -370,3 +372,10 @@ async def test_the_app_opens_in_the_theme_asked_for_and_the_palette_still_change
         app.theme = "textual-dark"  # what the palette's Theme command sets
         await pilot.pause()
         assert app.current_theme.dark is True
+
+
+async def test_a_one_token_run_says_one_step():
+    """A card counts in the singular too: "1 step", not "1 steps"."""
+    async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=1), 1) as run:
+        await run.until_done()
+        assert run.card("total").note == "1 step"

@@ -2,9 +2,11 @@
 in-process, `sim:`) measurement, the race's plain cache turns red and stops before the trick, the
 keys pick the trick and its setting, and the essentials fit 80x24."""
 
-from kvtui.engine.protocol import RunSettings
+from pathlib import Path
+
+from kvtui.engine.protocol import RunFailed, RunSettings
 from kvtui.screens.tricks import PoolLine, TricksScreen
-from kvtui.testing import headless
+from kvtui.testing import ScriptedEngine, headless
 from kvtui.widgets.stream import TokenStream
 
 SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=24, replay_speed=0)
@@ -110,3 +112,48 @@ async def test_screen_4_reads_on_both_themes():
             await run.settle()
             faint += too_faint(run, f"{theme}, screen 4")
         assert faint == []
+
+
+async def test_a_replay_has_no_tricks_and_nothing_on_screen_4_says_it_is_waiting():
+    """A replay has no table and no race to wait for: the rows and the race's panes say so,
+    where they said "waiting" (and "waiting for the first token...") for ever."""
+    asset = Path(__file__).parents[2] / "assets" / "tiny-cpu.jsonl"
+    settings = RunSettings(engine=f"replay:{asset}", replay_speed=0)
+    async with headless(settings, screen=4, size=(80, 24)) as run:
+        screen = _screen(run)
+        await run.wait_for(lambda: screen.table.failed)
+        await run.settle()
+        text = run.text()
+        assert "kvtui's own engines" in text
+        assert "waiting" not in text, text
+        assert "No race on this engine" in text
+
+
+async def test_another_engine_races_again_on_screen_4():
+    """Another engine picked on screen 4 (ctrl+p) races on that engine: the race of the engine
+    before stayed on screen beside the new engine's table."""
+    async with headless(SIM, screen=4, size=(80, 24)) as run:
+        screen = await _race_and_table_done(run)
+        other = "sim:llama-3.2-1b@h100"
+        run.app.restart_with(other)
+        await run.wait_for(lambda: screen.race and screen.race["plain"].settings.engine == other)
+        await run.wait_for(lambda: not screen.racing)
+        await run.settle()
+        assert all(side.settings.engine == other for side in screen.race.values())
+
+
+async def test_a_race_engines_message_shows_as_written():
+    """A race engine's failure is shown on its pane's border as text: a `[/dim]` in it crashed
+    the app (MarkupError), as the border read it as markup."""
+    message = "broke [/dim] here"
+
+    def engines(settings: RunSettings) -> ScriptedEngine:
+        if settings.loops == ("cached",):  # a race's engine
+            return ScriptedEngine([RunFailed(message)], settings=settings)
+        return ScriptedEngine.from_settings(settings)
+
+    async with headless(SIM, screen=4, size=(100, 30), engine=engines) as run:
+        screen = _screen(run)
+        await run.wait_for(lambda: screen.race and not screen.racing)
+        await run.settle()
+        assert message in run.text()
