@@ -58,6 +58,7 @@ class RunHeader(Widget):
         status, full, model, device, short, brief = self._parts
         wordings = [(full, model, device), (full, model, short), (full, "", short)]
         wordings.append((brief, "", short))
+        wordings.append((brief, "", ""))  # the device left to help (?) rather than cut mid-word
         lines = []
         for engine, words, where in wordings:
             for separator in ("  │  ", " │ "):
@@ -67,8 +68,9 @@ class RunHeader(Widget):
                 text.append(engine, style="bold")
                 if words and words != engine:
                     text.append(f" ({words})")
-                text.append(separator, style="dim")
-                text.append(where)
+                if where:
+                    text.append(separator, style="dim")
+                    text.append(where)
                 lines.append(text)
         return lines
 

@@ -47,3 +47,22 @@ def test_the_null_probe_label_is_what_the_prose_used_to_be_cut_to():
     probe = NullProbe("NVML library not found (libnvidia-ml.so.1)")
     assert probe.label() == "CPU, no GPU"
     assert probe.describe().startswith(probe.label() + ": ")
+
+
+async def test_a_header_too_narrow_for_the_device_leaves_it_out_rather_than_cut_it():
+    """At 80 columns a running sim: run's status and engine leave no room for the device: the
+    line ends with the engine, not with the device cut mid-word ("CPU, no")."""
+    app = HeaderApp()
+    async with app.run_test(size=(80, 3)) as pilot:
+        header = app.query_one(RunHeader)
+        header.show(
+            "CPU, no GPU: NVML library not found (libnvidia-ml.so.1)",
+            "sim:llama-3.1-70b@4xh100",
+            "bf16",
+            "running",
+            "running · uncached 202, cached 225 of 256",
+            device_label="CPU, no GPU",
+        )
+        await pilot.pause()
+        line = str(header.render())
+    assert line == "▶ running · uncached 202, cached 225 of 256  │  sim:llama-3.1-70b@4xh100"
