@@ -608,16 +608,24 @@ class TricksScreen(LessonScreen):
             for key in ("int8", "fp8", "window", "mqa")
             if key in rows and plain is not None
         ]
+        modelled = self.run.how == "modelled"  # sim: prices the tricks, it runs none
         if plain is None or not parts:
             words.append(
                 "keep each token in fewer bytes, keep fewer tokens, or share them; the table "
-                "measures what each buys on this pool, and what it costs."
+                f"{'models' if modelled else 'measures'} what each buys on this pool, and what "
+                "it costs."
             )
             return words
         words.append(
             f"where the plain cache stops at {format_int(plain.get('steps', 0))} tokens, "
             + "; ".join(parts)
-            + ("." if self.table.done else "; measuring the rest.")
+            + (
+                "."
+                if self.table.done
+                else "; modelling the rest."
+                if modelled
+                else "; measuring the rest."
+            )
         )
         return words
 

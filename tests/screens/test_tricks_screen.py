@@ -37,6 +37,7 @@ async def test_the_table_and_the_race_fit_80x24_and_say_where_each_figure_came_f
             assert label in text, label
         assert "waiting" not in text and "measuring…" not in text
         assert "modelled (sim:)" in text  # every figure says how it was had
+        assert "measur" not in text.lower(), text  # sim: runs no trick: nothing here is measured
         assert "RACE (modelled): plain vs fp8" in text
         assert "To continue the chat:" in text and "the tokens" in text
         plain, trick = screen.race["plain"], screen.race["trick"]
