@@ -169,9 +169,11 @@ class VramBar(Widget):
         legend = next((text for text in legends if text.cell_len <= width), legends[-1])
         return Text("\n").join([line, legend])
 
-    def _legend(self, bar: Bar, details: bool, gap: str, short: bool = False) -> Text:
+    def _legend(
+        self, bar: Bar, details: bool, gap: str, short: bool = False, tight: bool = False
+    ) -> Text:
         """Each part's swatch, name (or `short` name) and size (and its detail, if `details`),
-        `gap` apart."""
+        `gap` apart; `tight`: a size without the space before its unit ("32.9GiB")."""
         legend = Text(no_wrap=True, overflow="ellipsis")
         for part in bar.parts:
             if part.look == "free" and bar.red and part.bytes <= 0:
@@ -181,7 +183,8 @@ class VramBar(Widget):
             legend.append(glyph, style=Style(color=look.color if glyph != "■" else look.bgcolor))
             detail = f" {part.detail}" if part.detail and details else ""
             name = part.short if short and part.short else part.name
-            legend.append(f" {name} {format_bytes(part.bytes)}{detail}{gap}")
+            size = format_bytes(part.bytes).replace(" ", "") if tight else format_bytes(part.bytes)
+            legend.append(f" {name} {size}{detail}{gap}")
         if bar.overflow_bytes:
             legend.append(
                 f"{format_bytes(bar.overflow_bytes)} over",
@@ -211,6 +214,13 @@ GLYPHS = {"tail": "▒", "free": "□"}
 hatched in the KV colour (taken, not filled), in the bar too; the free pool is an empty square.
 Others are a block of their colour, as in the bar, where their name is written on it."""
 
-LEGENDS = ((True, "  ", False), (True, " ", False), (False, " ", False), (False, " ", True))
+LEGENDS = (
+    (True, "  ", False, False),
+    (True, " ", False, False),
+    (False, " ", False, False),
+    (False, " ", True, False),
+    (False, " ", True, True),
+)
 """The legend's wordings, fullest first: with each part's detail, two spaces apart; one space;
-without the details; with the parts' short names. The first that fits the bar is drawn."""
+without the details; with the parts' short names; with their sizes tight. The first that fits
+the bar is drawn."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import PROBE, build, screen_text
 from test_screens import settle
@@ -192,3 +194,14 @@ async def test_a_memory_bar_names_a_part_whole_or_not_at_all():
                 shown = line[start : start + cells].strip(" ▒")
                 start += cells
                 assert shown in ("", part.name), (line, part.name)
+
+
+async def test_80x24_memory_legend_names_every_part_with_its_whole_size():
+    """Five parts on a GPU's bar (weights, KV, the last block's tail, free pool, other) at 80
+    columns: every size whole ("other 9GiB"), where the legend was cut at "other 9"."""
+    settings = RunSettings("sim:llama-3.1-70b@4xh100", tokens=256, replay_speed=0)
+    async with headless(settings, 3, size=SMALL) as run:
+        await run.until_done()
+        legend = next(line for line in run.text().splitlines() if "■ weights" in line)
+    for part in ("weights", "KV", "tail", "free", "other"):
+        assert re.search(rf"{part} [\d.]+ ?[KMG]iB", legend), (part, legend)
