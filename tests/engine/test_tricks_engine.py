@@ -126,6 +126,15 @@ def test_a_layout_the_run_cannot_keep_is_refused_before_it_starts(settings, word
         check_run(settings)
 
 
+@pytest.mark.parametrize("command", ["bench", "tricks"])
+def test_one_byte_of_quality_text_is_refused_in_one_line(capsys, command):
+    """One byte of text has no next byte to predict: refused as the flag is read, where it
+    ended `kvtui bench` in a traceback (a mean over no positions)."""
+    assert main([command, "--quality-bytes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--quality-bytes" in err and "'1'" in err and "Traceback" not in err
+
+
 def test_a_window_goes_past_the_models_positions_in_the_cached_loop_only():
     long = RunSettings(engine="tiny", kv_window=512, tokens=5000, loops=("cached",))
     assert check_run(long).kind == "tiny"
