@@ -303,16 +303,21 @@ def layout_step_cost(
     batch: int = 1,
     weights_dtype: str = "bf16",
     block_tokens: int = 16,
+    kv_dtype: str | None = None,
 ) -> StepCost:
     """kvtui.sim.work.step_cost for a layout: the cached loop priced as `layout_spec` (its heads,
-    its window), its cache read in the layout's storage dtype, and with shared prefixes a
-    prefill in which the later sequences compute only what they do not share. The uncached loop
-    keeps no cache: the model as it is (with the layout's heads, which change the model)."""
+    its window), its cache read in the layout's storage dtype (`auto`: `kv_dtype`, the weights'
+    unless given: a server keeps fp8 weights' cache in bf16), and with shared prefixes a prefill
+    in which the later sequences compute only what they do not share. The uncached loop keeps
+    no cache: the model as it is (with the layout's heads, which change the model)."""
     if not cached:
         plain = KVLayout(kv_heads=layout.kv_heads)
-        return step_cost(layout_spec(spec, plain), False, step, prompt, batch, weights_dtype)
+        model_kv = normalize_dtype(kv_dtype or weights_dtype)  # its keys and values, recomputed
+        return step_cost(
+            layout_spec(spec, plain), False, step, prompt, batch, weights_dtype, model_kv
+        )
     shape = layout_spec(spec, layout)
-    kv_dtype = layout.storage_dtype(weights_dtype)
+    kv_dtype = layout.storage_dtype(kv_dtype or weights_dtype)
     shared = shared_prefix_tokens(layout, prompt, block_tokens, batch)
     if step > 0 or not shared:
         return step_cost(shape, True, step, prompt, batch, weights_dtype, kv_dtype)

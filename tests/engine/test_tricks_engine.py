@@ -4,6 +4,7 @@ run says what it kept (RunStarted), `kvtui bench` reports it per loop with its q
 `sim:` engine models the same tricks on catalog models."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -222,6 +223,35 @@ def test_sim_models_a_window_and_shared_prefixes():
     events = list(run_events(open_engine(shared), shared))
     assert isinstance(events[0], RunStarted) and events[0].kv_shared_tokens == 32
     assert events[-1].reason == "out_of_memory" and events[-1].steps == 21
+
+
+@pytest.mark.parametrize("changes", [{"kv_window": 4096}, {"enable_prefix_caching": True}])
+def test_a_layout_on_sim_reads_the_cache_in_the_dtype_the_server_keeps(changes):
+    """DeepSeek-V3's weights are fp8 and its cache bf16 (as vLLM serves it): a window that has
+    not filled, or shared prefixes after the prefill, read the same bytes a step as the plain
+    cache, where they were priced reading the cache in the weights' fp8."""
+    plain = RunSettings(
+        engine="sim:deepseek-v3@8xh200", tokens=4, batch=2, replay_speed=0, loops=("cached",)
+    )
+
+    def read(settings: RunSettings) -> list[int]:
+        events = run_events(open_engine(settings), settings)
+        return [e.bytes_read for e in events if isinstance(e, StepSample)]
+
+    assert read(replace(plain, **changes))[1:] == read(plain)[1:]
+
+
+def test_a_layouts_uncached_loop_is_priced_as_the_plain_runs():
+    """The uncached loop keeps no cache, so a trick does not change what its steps read: on the
+    shipped model (fp32 on a CPU) its keys and values are fp32, where a layout's run priced them
+    in bf16."""
+    plain = RunSettings(engine="tiny", tokens=3, device="cpu", loops=("uncached",))
+
+    def read(settings: RunSettings) -> list[int]:
+        events = run_events(open_engine(settings), settings)
+        return [e.bytes_read for e in events if isinstance(e, StepSample)]
+
+    assert read(replace(plain, kv_cache_dtype="int8")) == read(plain)
 
 
 def test_budget_takes_vllms_kv_cache_dtype(capsys):
