@@ -231,6 +231,7 @@ def _formula_row(base: RunSettings) -> dict[str, Any]:
     P = prompt_positions(base)
     return {
         "how": "formula",
+        "label": f"{mha.kv_heads} KV heads (MHA)",  # the model's query heads, not the shipped 8
         "words": f"{mha.kv_heads} KV heads",
         "kv_bytes_per_token_formula": per_token,
         "tokens_before_full_predicted": tokens_before_full(pool, KVLayout(), P, 1),

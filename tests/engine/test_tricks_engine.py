@@ -287,6 +287,18 @@ def test_kvtui_tricks_models_every_row_on_sim_and_refuses_what_keeps_its_own_cac
     assert "kvtui's own engines" in capsys.readouterr().err
 
 
+def test_the_multi_head_row_names_the_models_own_heads(capsys):
+    """Multi-head attention is a key/value head per query head: 32 for Llama 3.1 8B (the
+    shipped model's 8 were the row's name whatever the model)."""
+    args = ["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "200"]
+    assert main([*args, "--json"]) == 0
+    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["mha"]["label"] == "32 KV heads (MHA)" == f"{rows['mha']['words']} (MHA)"
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "32 KV heads (MHA)" in out and "8 KV heads" not in out
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
