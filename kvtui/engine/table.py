@@ -548,11 +548,18 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         )
         for cells in (head, *lines_out)
     ]
+    how = "modelled" if modelled else "measured"
     lines.append(
-        "  B/token: measured from the cache's tensors (codes and scales); formula: kvtui.sim"
+        "  B/token: "
+        + (
+            "- (a modelled run has no cache tensors to weigh)"
+            if modelled
+            else "measured from the cache's tensors (codes and scales)"
+        )
+        + "; formula: kvtui.sim"
     )
     lines.append(
-        "  stop/pred: tokens generated when the pool ran out (+: the run ended first), measured"
+        f"  stop/pred: tokens generated when the pool ran out (+: the run ended first), {how}"
         " / predicted by the trick's own C - P + 1"
     )
     if baseline:
@@ -574,7 +581,7 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"  {row['label']}: plain at the same batch stops at {b['steps']:,} "
                 f"(predicted {b['tokens_before_full_predicted']:,}); the shared prefill computed "
-                f"{row['first_step_positions']:,} positions (measured) of the {unshared:,} "
+                f"{row['first_step_positions']:,} positions ({row['how']}) of the {unshared:,} "
                 "its sequences' prompts hold"
             )
         if row["how"] == "formula":

@@ -299,6 +299,15 @@ def test_the_multi_head_row_names_the_models_own_heads(capsys):
     assert "32 KV heads (MHA)" in out and "8 KV heads" not in out
 
 
+def test_a_modelled_table_calls_no_figure_measured(capsys):
+    """On sim: every row is modelled: the prefix row's prefill and the stops say so, where the
+    lines under the table called them measured."""
+    assert main(["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "MODELLED" in out and "(modelled)" in out
+    assert "measured" not in out.replace("not measured", "")
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
