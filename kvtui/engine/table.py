@@ -184,7 +184,7 @@ def run_row(
         text=r["text"][:160],
     )
     if row.key == "prefix":  # the same batch without sharing, for its pool and speed
-        out["first_step_positions"] = r["work_cached"] - (cached["tokens"] - 1) * r["batch"]
+        out["first_step_positions"] = cached["first_step_positions"]  # the prefill's own count
         unshared = replace(settings, enable_prefix_caching=False)
         try:
             plain = run_bench(unshared, quality_bytes=0)
@@ -196,7 +196,7 @@ def run_row(
             "steps": c["tokens"],
             "tokens_before_full_predicted": c["tokens_before_full_predicted"],
             "speed": _speed(c),
-            "first_step_positions": plain["work_cached"] - (c["tokens"] - 1) * plain["batch"],
+            "first_step_positions": c["first_step_positions"],
         }
     return out
 

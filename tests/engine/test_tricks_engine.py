@@ -308,6 +308,28 @@ def test_a_modelled_table_calls_no_figure_measured(capsys):
     assert "measured" not in out.replace("not measured", "")
 
 
+def test_the_shared_prefills_positions_are_its_own_steps_count(monkeypatch):
+    """The prefix row's prefill positions are the first step's own count, not the run's total
+    less what the later steps should have computed: a model whose later steps compute one
+    position too many on purpose leaves the prefill's 80 (44 + 3 x 12) as it was."""
+    import kvtui.engine.roofline as roofline
+    from kvtui.engine.table import run_row, table_base
+    from kvtui.sim.work import StepCost
+
+    priced = roofline.layout_step_cost
+
+    def one_too_many(*args, **kwargs):
+        cost = priced(*args, **kwargs)
+        step = args[3]
+        return cost if step == 0 else StepCost(cost.positions + 1, cost.flops, cost.bytes_read)
+
+    monkeypatch.setattr(roofline, "layout_step_cost", one_too_many)
+    base = table_base(RunSettings(engine="sim:llama-3.1-8b@h100", tokens=20, replay_speed=0))
+    prefix = next(row for row in TABLE_ROWS if row.key == "prefix")
+    row = run_row(prefix, base, quality_bytes=0)
+    assert row["steps"] == 20 and row["first_step_positions"] == 44 + 3 * (44 - 32)
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
