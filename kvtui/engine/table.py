@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtui.engine.protocol import EngineError, RunSettings
-from kvtui.engine.spec import check_run, parse_engine
+from kvtui.engine.spec import check_run, open_engine, parse_engine
 from kvtui.gpu.probe import cuda_visible
 from kvtui.sim.pool import KVPool
 from kvtui.sim.tricks import (
@@ -122,7 +122,9 @@ def default_budget(settings: RunSettings) -> int:
 
 
 def check_table(base: RunSettings) -> None:
-    """Refuse, before any row runs, a base run no row could make (`EngineError`, one line)."""
+    """Refuse, before any row runs, a base run no row could make (`EngineError`, one line): on
+    `sim:` each row's engine is opened too (arithmetic, no torch), so that an unknown GPU or a
+    model it cannot hold is refused here, not taken for a pool that stopped every row at once."""
     spec = check_run(base)
     if spec.kind not in ("tiny", "shape", "sim"):
         raise EngineError(
@@ -131,6 +133,8 @@ def check_table(base: RunSettings) -> None:
     for row in TABLE_ROWS:
         if not row.formula_only:
             check_run(row.settings(base))
+            if spec.kind == "sim":
+                open_engine(row.settings(base)).close()
 
 
 def _speed(loop: dict[str, Any]) -> dict[str, Any]:

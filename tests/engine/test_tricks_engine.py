@@ -330,6 +330,20 @@ def test_the_shared_prefills_positions_are_its_own_steps_count(monkeypatch):
     assert row["steps"] == 20 and row["first_step_positions"] == 44 + 3 * (44 - 32)
 
 
+@pytest.mark.parametrize(
+    ("engine", "says"),
+    [("sim:llama-3.1-8b@nogpu", "unknown GPU 'nogpu'"), ("sim:llama-3.1-70b@t4", "do not fit")],
+)
+def test_a_sim_table_that_cannot_open_is_refused_not_shown_as_rows_that_stopped(
+    capsys, engine, says
+):
+    """An engine that cannot open is one line and exit 2, where every row became a run that
+    'stopped' at 0 tokens, predicted 0, and the table exited 0."""
+    assert main(["tricks", "--engine", engine]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.out == ""
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
