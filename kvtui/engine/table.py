@@ -206,16 +206,30 @@ def run_row(
 
 
 def _no_steps(settings: RunSettings, message: str) -> dict[str, Any]:
-    """A row whose run made no step: the pool could not hold the prompt (of every sequence)."""
+    """A row whose run made no step: the pool could not hold the prompt (of every sequence).
+    Its bytes per token and its prediction are still the formula's (the layout's, on the
+    table's pool)."""
+    from kvtui.engine.spec import prompt_positions
+
+    shape = _shape(settings)
+    per_token = predicted = None
+    if shape is not None:
+        per_token = layout_bytes_per_token(shape[0], settings.layout, shape[1])
+        budget = settings.kv_budget_bytes or default_budget(settings)
+        pool = KVPool(budget, settings.kv_block_tokens, per_token)
+        P = prompt_positions(settings)
+        predicted = tokens_before_full(pool, settings.layout, P, settings.batch)
+    sim = parse_engine(settings.engine).kind == "sim"
     return {
-        "how": "measured",
+        "how": "modelled" if sim else "measured",
         "words": settings.layout.words(),
         "batch": settings.batch,
         "tokens": settings.tokens,
+        "kv_bytes_per_token_formula": per_token,
         "steps": 0,
         "stopped": True,
         "stop_message": message,
-        "tokens_before_full_predicted": 0,
+        "tokens_before_full_predicted": predicted,
         "first_step_positions": 0,
         "quality": None,
         "speed": {},

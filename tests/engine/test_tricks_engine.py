@@ -344,6 +344,21 @@ def test_a_sim_table_that_cannot_open_is_refused_not_shown_as_rows_that_stopped(
     assert says in captured.err and captured.out == ""
 
 
+def test_a_row_whose_prompt_the_pool_cannot_hold_keeps_its_formula_and_prediction(capsys):
+    """A pool too small for the prompt stops every row before its first step: the rows still
+    give the formula's bytes per token and the prediction (0 here) from the formula, and on
+    sim: say they are modelled, where they said 0 bytes, a prediction of 0 whatever the pool,
+    and measured."""
+    args = ["tricks", "--engine", "sim:llama-3.1-8b@h100", "--kv-budget", "1MiB", "--json"]
+    assert main(args) == 0
+    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["plain"]["steps"] == 0 and rows["plain"]["how"] == "modelled"
+    assert rows["plain"]["kv_bytes_per_token_formula"] == 131_072
+    assert rows["fp8"]["kv_bytes_per_token_formula"] == 65_536
+    assert rows["plain"]["tokens_before_full_predicted"] == 0  # 8 tokens of room, 44 asked
+    assert rows["window"]["tokens_before_full_predicted"] == 0
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
