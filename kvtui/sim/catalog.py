@@ -54,6 +54,8 @@ _DTYPE_ALIASES = {
     "float8": "fp8",
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
+    "fp8_e4m3": "fp8",  # vLLM's --kv-cache-dtype names its two fp8 formats so
+    "fp8_e5m2": "fp8",
     "4bit": "int4",
 }
 
