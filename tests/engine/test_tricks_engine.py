@@ -254,6 +254,19 @@ def test_a_layouts_uncached_loop_is_priced_as_the_plain_runs():
     assert read(replace(plain, kv_cache_dtype="int8")) == read(plain)
 
 
+@pytest.mark.parametrize(
+    ("weights", "per_token"),
+    [("int4", 131_072), ("fp8", 131_072), ("bf16", 131_072), ("fp16", 131_072), ("fp32", 262_144)],
+)
+def test_budgets_auto_cache_is_the_activations_dtype(capsys, weights, per_token):
+    """vLLM's --kv-cache-dtype auto keeps keys and values in the dtype the model computes in:
+    the weights' own for fp32, fp16 and bf16, bf16 beside 4-bit and 8-bit weights (which are
+    dequantised to compute), as `sim:` prices them; the budget kept them in int4 or fp8."""
+    args = ["budget", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "8192", "--json"]
+    assert main([*args, "--weights-dtype", weights, "--kv-cache-dtype", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == per_token
+
+
 def test_budget_takes_vllms_kv_cache_dtype(capsys):
     base = ["budget", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "8192", "--json"]
     assert main(base) == 0
