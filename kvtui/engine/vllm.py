@@ -50,7 +50,7 @@ from kvtui.engine.protocol import (
     ServerMetrics,
     StepSample,
 )
-from kvtui.sim.catalog import ConfigError, ModelSpec
+from kvtui.sim.catalog import ConfigError, ModelSpec, activation_dtype
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes_per_token
 
@@ -221,7 +221,8 @@ class VLLMEngine:
 
     def started(self) -> RunStarted:
         s, served, spec = self.settings, self.served, self.served.spec
-        dtype = spec.default_dtype if spec is not None else ""
+        # The dtype it computes, and keeps an `auto` cache, in: bf16 beside 4-bit or 8-bit weights.
+        dtype = activation_dtype(spec.default_dtype) if spec is not None else ""
         per_token = kv_bytes_per_token(spec, dtype) if spec is not None and dtype else 0
         version = f"vLLM {served.version}" if served.version else "vLLM"
         return RunStarted(

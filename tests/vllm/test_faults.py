@@ -188,3 +188,34 @@ def test_the_fill_plan_asks_for_twice_the_cache_within_max_model_len():
     assert big.concurrency * 8192 >= 2 * 500_000 and big.requests == big.concurrency
     huge = fill_plan(url, 10**9, 8192)
     assert huge.concurrency == MAX_CONCURRENCY  # bounded, whatever the cache
+
+
+def test_a_quantized_models_cache_is_priced_in_the_dtype_it_computes_in(tmp_path):
+    """A served AWQ model (4-bit weights, fp16 activations): vLLM's cache dtype auto keeps keys
+    and values in 16 bits, so kvtui predicts 2 bytes an element (1,536 a token here), where it
+    priced them in the weights' int4 (384) and so predicted four times the server's blocks."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 256,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float16",
+        "quantization_config": {"quant_method": "awq", "bits": 4},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    models = {"object": "list", "data": [{"id": "m", "root": str(tmp_path), "max_model_len": 512}]}
+    server = FakeVLLM(models=models).start()
+    try:
+        engine = open_engine(settings(server.url))
+        try:
+            started = engine.started()
+        finally:
+            engine.close()
+    finally:
+        server.close()
+    assert started.kv_bytes_per_token == 6 * 2 * 2 * 32 * 2 == 1536
