@@ -262,26 +262,30 @@ def _formula_row(base: RunSettings) -> dict[str, Any]:
 
 def _shape(base: RunSettings) -> tuple[Any, str] | None:
     """The model's shape and the dtype its cache is kept in, cheaply (no torch): the shipped
-    model's from its header (fp32 on a CPU, as the engine runs it), a catalog model's."""
+    model's from its header, a catalog model's; in the dtype kvtui's engine computes it in
+    (kvtui.sim.catalog.compute_dtype: fp32 on a CPU, the weights' own on a GPU where it can),
+    or on `sim:` as a server keeps it."""
     from kvtui.engine.spec import tiny_config
-    from kvtui.sim.catalog import get_model
+    from kvtui.sim.catalog import compute_dtype, get_model, serving_dtypes
     from kvtui.sim.parallel import shard
 
     spec = parse_engine(base.engine)
-    on_cpu = base.device == "cpu" or (base.device == "auto" and not cuda_visible())
+    on_gpu = base.device not in ("cpu", "auto") or (base.device == "auto" and cuda_visible())
     if spec.kind == "tiny":
-        from kvtui.paths import TINY_NAME
+        from kvtui.paths import TINY_NAME, TINY_WEIGHTS, asset_path
+        from kvtui.sim.hf_config import safetensors_dtype
 
         model = get_model(TINY_NAME)
         heads = tiny_config().get("n_kv_head", model.kv_heads)
         if isinstance(heads, int):
             model = replace(model, kv_heads=heads)
-        return model, "fp32" if on_cpu else "bf16"
+        stored = safetensors_dtype(asset_path(TINY_WEIGHTS)) or "fp32"
+        return model, compute_dtype(stored, gpu=on_gpu)[0]
     if spec.model:
         model = get_model(spec.model)
         if spec.kind == "sim":
-            return shard(model, spec.gpus), "bf16"
-        return model, "fp32" if on_cpu else "bf16"
+            return shard(model, spec.gpus), serving_dtypes(model.default_dtype)[1]
+        return model, compute_dtype(model.default_dtype, gpu=on_gpu)[0]
     return None
 
 

@@ -372,6 +372,20 @@ def test_a_row_whose_prompt_the_pool_cannot_hold_keeps_its_formula_and_predictio
     assert rows["window"]["tokens_before_full_predicted"] == 0
 
 
+def test_the_tables_formula_prices_the_dtype_the_engine_computes_in():
+    """On a GPU kvtui's engine computes GPT-2 (published in fp32) in fp32 (catalog.compute_dtype):
+    the multi-head row's formula and the table's budget price that, where they took every model
+    on a GPU to be bf16 (half the bytes the measured rows would hold). No GPU is needed: the
+    formula row runs no engine."""
+    from kvtui.engine.table import run_row, table_base
+
+    base = table_base(RunSettings(engine="shape:gpt2", device="cuda"))
+    mha = next(row for row in TABLE_ROWS if row.key == "mha")
+    row = run_row(mha, base, quality_bytes=0)
+    assert row["kv_bytes_per_token_formula"] == 12 * 2 * 12 * 64 * 4  # fp32
+    assert base.kv_budget_bytes == 16 * 2**20  # 160 tokens of 73,728 bytes, a power of two
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
