@@ -386,6 +386,31 @@ def test_the_tables_formula_prices_the_dtype_the_engine_computes_in():
     assert base.kv_budget_bytes == 16 * 2**20  # 160 tokens of 73,728 bytes, a power of two
 
 
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"kv_window": 0}, "--kv-window must be at least 1"),
+        ({"kv_window": 128, "kv_sinks": 200}, "leaves no room"),
+        ({"kv_cache_dtype": "bogus"}, "--kv-cache-dtype must be one of"),
+        ({"kv_shared_tokens": 45}, "45 shared of 44 prompt tokens"),
+    ],
+)
+def test_a_record_whose_cache_layout_no_run_can_have_is_corrupt(tmp_path, capsys, changes, says):
+    """A replayed run's layout is checked as a live run's is: a window of 0, more sinks than
+    window, a cache dtype that is none, more shared positions than the prompt has, where the
+    replay showed them (a window of 0 held 11.6 MiB, 'formula 0 B')."""
+    record = tmp_path / "run.jsonl"
+    args = ["bench", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "5", "--replay-speed", "0"]
+    assert main([*args, "--loops", "cached", "--record", str(record)]) == 0
+    lines = record.read_text().splitlines()
+    lines[1] = json.dumps({**json.loads(lines[1]), **changes})
+    record.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(["bench", "--engine", f"replay:{record}", "--replay-speed", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "corrupt record" in err and says in err
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
