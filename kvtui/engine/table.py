@@ -6,7 +6,7 @@ bench's and the screens' are) with one trick of kvtui.sim.tricks: its bytes per 
 from the cache's tensors beside the formula's, where the pool stopped it against where the trick's
 own C - P + 1 says it would, what it costs in quality (kvtui.engine.quality, measured on held-out
 text), and its speed (tokens per second, the first token's time, a later token's over the same
-first SPEED_STEPS steps as the plain cache's). Multi-head attention is a row of formulas: the
+first bench.SPEED_STEPS steps as the plain cache's). Multi-head attention is a row of formulas: the
 shipped model has 2 key/value heads, and a model with 8 would have to be trained.
 
 `run_table` yields the rows as they are measured, so the app's screen 4 shows each as it lands
@@ -516,6 +516,7 @@ def _stop_words(row: dict[str, Any]) -> str:
 
 def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The table for a terminal, with what each column is and where its figures came from."""
+    from kvtui.engine import bench
     from kvtui.format import format_bytes, safe_text
 
     head = (
@@ -592,7 +593,8 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"half); 1st diff: the first greedy token of {baseline['greedy_tokens']:,} to differ"
         )
     lines.append(
-        "  tok/s, TPOT (the mean of the first 256 steps after the first): each row's run alone; "
+        f"  tok/s, TPOT (the mean of the first {bench.SPEED_STEPS} steps after the first): each "
+        "row's run alone; "
         "speed: the plain step's time over the row's, the layouts timed in turns "
         f"({SPEED_ROUNDS} rounds of {SPEED_STEPS} steps)"
     )

@@ -411,6 +411,16 @@ def test_a_record_whose_cache_layout_no_run_can_have_is_corrupt(tmp_path, capsys
     assert "corrupt record" in err and says in err
 
 
+def test_the_tables_tpot_note_names_the_steps_bench_takes_it_over(monkeypatch, capsys):
+    """The TPOT column is bench's `tpot_first_steps_s`, over bench.SPEED_STEPS steps: the note
+    under the table reads that number, where it wrote 256 beside it."""
+    import kvtui.engine.bench as bench
+
+    monkeypatch.setattr(bench, "SPEED_STEPS", 64)
+    assert main(["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "100"]) == 0
+    assert "TPOT (the mean of the first 64 steps after the first)" in capsys.readouterr().out
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
