@@ -421,6 +421,19 @@ def test_the_tables_tpot_note_names_the_steps_bench_takes_it_over(monkeypatch, c
     assert "TPOT (the mean of the first 64 steps after the first)" in capsys.readouterr().out
 
 
+def test_a_layout_whose_pool_cannot_hold_the_prompt_says_so():
+    """A window's or shared prefixes' pool too small for the prompts: the message says so, as
+    the plain pool's does, where it said the cache was full 'at token 43' of a 44-token prompt."""
+    from kvtui.sim.tricks import full_message
+
+    pool = KVPool(160 * 1024, 16, 3072)  # 3 blocks of 16
+    for layout in (KVLayout(window=100, sinks=4), KVLayout(prefix_caching=True)):
+        assert tokens_before_full(pool, layout, 44, 3) == 0
+        said = full_message(pool, layout, 44, 3)
+        assert said.startswith("the KV cache cannot hold the prompt's 44 tokens per sequence")
+        assert "at token" not in said
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
