@@ -434,6 +434,22 @@ def test_a_layout_whose_pool_cannot_hold_the_prompt_says_so():
         assert "at token" not in said
 
 
+def test_the_uncached_loops_quality_is_measured_only_where_its_model_changed(capsys):
+    """The uncached loop keeps no cache, so an int8 cache costs it nothing: no quality figure
+    (it was the model scored against itself, KL 0 by construction), nor for the plain cache;
+    averaged key/value heads change its model, and its quality is measured."""
+    args = ["bench", "--tokens", "3", "--greedy", "--quality-bytes", "64", "--json"]
+    assert main([*args, "--kv-cache-dtype", "int8"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["cached"]["quality"] is not None and r["uncached"]["quality"] is None
+    assert main([*args, "--kv-heads", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["uncached"]["quality"]["kl"] > 0
+    assert main(args) == 0  # the plain cache, asked for its quality: nothing to cost
+    r = json.loads(capsys.readouterr().out)
+    assert r["cached"]["quality"] is None and r["uncached"]["quality"] is None
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
