@@ -187,6 +187,8 @@ class VLLMEngine:
     _events: queue.Queue[object] = field(default_factory=queue.Queue, init=False)
     _poller: _Poller | None = field(default=None, init=False)
     _stream: Any = field(default=None, init=False)
+    _stream_closed: bool = field(default=False, init=False)
+    """Set by `_close_stream`: a stream that opens after it is closed at once."""
     _opened: float = field(default_factory=time.monotonic, init=False)
 
     @classmethod
@@ -337,6 +339,8 @@ class VLLMEngine:
         url = self.served.url
         try:
             stream = self._stream = Server(url).stream("/v1/completions", self.request())
+            if self._stream_closed:  # closed while the server had not answered: abort it
+                stream.close()
             for chunk in stream:
                 at = time.perf_counter()
                 choice = _choice(chunk)
@@ -373,6 +377,7 @@ class VLLMEngine:
             self._events.put(_Ended(f"reading the stream failed: {_error_of(exc)}"))
 
     def _close_stream(self) -> None:
+        self._stream_closed = True  # before reading `_stream`: see `_read_stream`
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()

@@ -220,3 +220,39 @@ def test_a_quantized_models_cache_is_priced_in_the_dtype_it_computes_in(tmp_path
     finally:
         server.close()
     assert started.kv_bytes_per_token == 6 * 2 * 2 * 32 * 2 == 1536
+
+
+def _until(condition, timeout: float = 20.0) -> bool:
+    """Whether `condition()` came true within `timeout` seconds (polled)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_run_closed_while_its_request_waits_for_an_answer_aborts_it():
+    """The engine closed while its completion waits for the server's answer (a request queued
+    behind a full KV cache): the connection closes as soon as the answer comes, which tells vLLM
+    to abort it, where the stream was read to its end, the request running on the server."""
+    hold = threading.Event()
+    server = FakeVLLM(hold=hold, token_delay_s=0.01).start()
+    try:
+        engine = open_engine(settings(server.url, tokens=300))
+        steps = engine.steps("cached")
+        next(steps)  # the poll before the request
+        reader = threading.Thread(target=lambda: list(steps), daemon=True)
+        reader.start()
+        assert _until(lambda: "POST /v1/completions" in server.requests)
+        engine.close()
+        hold.set()
+        assert _until(lambda: bool(server.streamed))
+        assert server.streamed[0] < 50  # of 300: it wrote into a closed connection
+        reader.join(timeout=10)
+        assert not reader.is_alive()
+    finally:
+        hold.set()
+        server.close()
