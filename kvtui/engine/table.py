@@ -132,7 +132,10 @@ def check_table(base: RunSettings) -> None:
         )
     for row in TABLE_ROWS:
         if not row.formula_only:
-            check_run(row.settings(base))
+            try:
+                check_run(row.settings(base))
+            except EngineError as exc:  # the table's own setting: say whose
+                raise EngineError(f"the {row.label} row: {exc}") from None
             if spec.kind == "sim":
                 open_engine(row.settings(base)).close()
 

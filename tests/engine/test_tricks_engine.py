@@ -450,6 +450,20 @@ def test_the_uncached_loops_quality_is_measured_only_where_its_model_changed(cap
     assert r["cached"]["quality"] is None and r["uncached"]["quality"] is None
 
 
+@pytest.mark.parametrize(
+    ("argv", "row"),
+    [
+        (["--engine", "sim:deepseek-v3@8xh200"], "the 1 KV head (MQA, averaged) row: --kv-heads"),
+        (["--engine", "sim:llama-3.1-8b@h100", "--prompt", "x" * 200], "the window 124 + 4 sinks"),
+    ],
+)
+def test_a_table_a_row_refuses_names_the_row(capsys, argv, row):
+    """`kvtui tricks` takes no --kv-heads or --kv-window: a refusal that names one says which
+    row it is the setting of."""
+    assert main(["tricks", *argv]) == 2
+    assert row in capsys.readouterr().err
+
+
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():
     table = TableProcess(RunSettings(engine="replay:/nowhere.jsonl"))
     table.start()
