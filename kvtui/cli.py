@@ -40,6 +40,7 @@ from kvtui.options import (
     add_run_options,
     int_in,
     output_path,
+    quality_bytes,
     settings_from_args,
 )
 from kvtui.paths import HELDOUT_BYTES
@@ -147,7 +148,7 @@ def _add_bench(subparsers: Any) -> None:
     p.add_argument("--force", action="store_true", help="let --record replace an existing file")
     p.add_argument(
         "--quality-bytes",
-        type=int_in(0, HELDOUT_BYTES),
+        type=quality_bytes,
         default=None,
         metavar="N",
         help="measure what each loop's KV cache costs in quality on N bytes of held-out Austen "
@@ -233,7 +234,7 @@ def _add_tricks(subparsers: Any) -> None:
     )
     p.add_argument(
         "--quality-bytes",
-        type=int_in(0, HELDOUT_BYTES),
+        type=quality_bytes,
         default=QUALITY_BYTES,
         metavar="N",
         help=f"held-out bytes each trick's quality is measured on (default {QUALITY_BYTES:,}; "

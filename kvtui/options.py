@@ -24,6 +24,7 @@ from kvtui.format import (
     parse_bytes,
 )
 from kvtui.inputs import InputError, argv_text, output_file
+from kvtui.paths import HELDOUT_BYTES
 from kvtui.sim.catalog import UnknownNameError, normalize_dtype
 from kvtui.sim.hf_config import MAX_SIZE
 
@@ -140,6 +141,19 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
 
     parse.__name__ = f"int_in({low}, {high})"
     return parse
+
+
+def quality_bytes(text: str) -> int:
+    """An argparse type: bytes of held-out text a quality is measured on (`--quality-bytes`):
+    0 (none) or 2 to all of it (one byte has no next byte to predict)."""
+    try:
+        value = int_in(0, HELDOUT_BYTES)(text)
+    except argparse.ArgumentTypeError:
+        value = 1
+    if value == 1:
+        what = f"0 (none) or an integer from 2 to {HELDOUT_BYTES:,}"
+        raise argparse.ArgumentTypeError(f"expected {what}, not {_shown(text)}")
+    return value
 
 
 MAX_SWEEP = 16

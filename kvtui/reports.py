@@ -21,7 +21,14 @@ from kvtui.format import (
 )
 from kvtui.options import MAX_BATCH, MAX_CONTEXT, UsageError, dtype_arg, int_in, utilization
 from kvtui.sim.budget import budget
-from kvtui.sim.catalog import dtype_names, get_gpu, get_model, gpu_names, model_names
+from kvtui.sim.catalog import (
+    activation_dtype,
+    dtype_names,
+    get_gpu,
+    get_model,
+    gpu_names,
+    model_names,
+)
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import RUNTIME_RESERVE_BYTES, kv_bytes_per_token
 from kvtui.sim.tricks import KV_CACHE_DTYPES, KVLayout
@@ -92,8 +99,9 @@ def cmd_budget(args: argparse.Namespace) -> int:
 
     spec = model_from_hf_config(args.config) if args.config else get_model(args.model)
     gpu = get_gpu(args.gpu)
-    if args.kv_cache_dtype is not None:  # vLLM's flag: auto is the weights' dtype
-        args.kv_dtype = KVLayout(cache_dtype=args.kv_cache_dtype).storage_dtype(args.weights_dtype)
+    if args.kv_cache_dtype is not None:  # vLLM's flag: auto is the dtype the model computes in
+        layout = KVLayout(cache_dtype=args.kv_cache_dtype)
+        args.kv_dtype = layout.storage_dtype(activation_dtype(args.weights_dtype))
     problem = tensor_parallel_problem(spec, args.tp)
     if problem is not None:
         raise UsageError(f"kvtui budget: error: argument --tp: {problem}")
@@ -301,8 +309,9 @@ def add_budget(subparsers: Any) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=None,
-        help="the KV cache as vLLM's flag says: auto (the weights' dtype), fp8, or int8 (codes "
-        "and an fp16 scale per token and head, counted)",
+        help="the KV cache as vLLM's flag says: auto (the dtype the model computes in: the "
+        "weights', or bf16 beside 8-bit and 4-bit weights), fp8, or int8 (codes and an fp16 "
+        "scale per token and head, counted)",
     )
     p.add_argument("--weights-dtype", type=dtype_arg, default="bf16", help=f"weights: {dtypes}")
     from kvtui.sim.parallel import MAX_TENSOR_PARALLEL

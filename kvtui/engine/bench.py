@@ -116,6 +116,7 @@ def loop_stats(steps: LoopSummary) -> dict[str, Any]:
         "ttft_s": steps.ttft_s,
         "tpot_s": steps.tpot_s,
         "tpot_first_steps_s": steps.tpot_over(SPEED_STEPS),
+        "first_step_positions": steps.first_positions if steps.steps else None,
         "first_step_positions_per_s": steps.first_step_positions_per_s,
         "later_step_positions_per_s": steps.later_step_positions_per_s,
         "flops_counted": steps.flops_counted,

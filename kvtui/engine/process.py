@@ -294,7 +294,11 @@ class EngineProcess:
         return f"decode engine {how}" + (f": {safe_text(why, one_line=True)}" if why else "")
 
     def close(self, timeout: float = 1.0) -> None:
-        """Stop the child and reap it: a polite stop, then terminate, then kill."""
+        """Stop the child and reap it: a polite stop, then terminate, then kill (a run closed
+        before it started ends the spare it was given)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
         proc = self._proc
         if proc is None:
             return

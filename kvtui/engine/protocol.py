@@ -245,6 +245,14 @@ class RunStarted:
                 f"started event: {len(self.prompt_pieces)} prompt pieces for "
                 f"{self.prompt_tokens} prompt tokens"
             )
+        problem = self.layout.problem()  # as a live run's layout is checked (a record's too)
+        if problem:
+            raise ValueError(f"started event: {problem}")
+        if self.kv_shared_tokens > self.prompt_tokens:
+            raise ValueError(
+                f"started event: {self.kv_shared_tokens} shared of {self.prompt_tokens} prompt "
+                "tokens"
+            )
 
     @property
     def layout(self) -> KVLayout:

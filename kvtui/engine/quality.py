@@ -137,8 +137,9 @@ def measure_quality(
 ) -> Quality:
     """The trick's quality on `ids` `(1, N)`: `model` (the baseline itself, or its averaged
     copy for fewer heads) in `layout`, against `baseline` with the plain cache. Teacher-forced
-    over the text; free-running greedy from its first `greedy_prompt` bytes for `greedy_tokens`
-    tokens (no more than the text has bytes)."""
+    over the text; free-running greedy from its first `greedy_prompt` bytes (no more than a
+    window holds: it prefills a prompt whole) for `greedy_tokens` tokens (no more than the text
+    has bytes)."""
     N = ids.shape[1]
     greedy_tokens = min(greedy_tokens, N)
     cache_layout = KVLayout(
@@ -162,7 +163,7 @@ def measure_quality(
     nll_base = -base_logp.gather(1, targets[:, None]).mean().item()
     kl = (base_logp.exp() * (base_logp - trick_logp)).sum(-1).mean().item()
     top1 = (base_logp.argmax(-1) == trick_logp.argmax(-1)).float().mean().item()
-    prompt = ids[:, : min(greedy_prompt, N)]
+    prompt = ids[:, : min(greedy_prompt, N, layout.window or N)]
     plain = greedy_tokens_of(baseline, prompt, greedy_tokens, None)
     tricked = greedy_tokens_of(model, prompt, greedy_tokens, cache_layout)
     first = next((i for i, (a, b) in enumerate(zip(plain, tricked, strict=True)) if a != b), None)

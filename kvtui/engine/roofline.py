@@ -281,7 +281,7 @@ class SimEngine:
                     held = kv_bytes(m, context, B, kd)
                     allocated = pool.blocks_for(context, B) * pool.block_bytes
             else:  # a window, or blocks shared: what the layout holds (kvtui.sim.tricks)
-                cost = layout_step_cost(m, layout, loop == "cached", i, P, B, wd, bt)
+                cost = layout_step_cost(m, layout, loop == "cached", i, P, B, wd, bt, kd)
                 if loop == "cached":
                     held = positions_held(layout, context, B, shared) * pool.kv_bytes_per_token
                     allocated = blocks_held(layout, context, B, bt, shared) * pool.block_bytes

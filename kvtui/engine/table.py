@@ -6,7 +6,7 @@ bench's and the screens' are) with one trick of kvtui.sim.tricks: its bytes per 
 from the cache's tensors beside the formula's, where the pool stopped it against where the trick's
 own C - P + 1 says it would, what it costs in quality (kvtui.engine.quality, measured on held-out
 text), and its speed (tokens per second, the first token's time, a later token's over the same
-first SPEED_STEPS steps as the plain cache's). Multi-head attention is a row of formulas: the
+first bench.SPEED_STEPS steps as the plain cache's). Multi-head attention is a row of formulas: the
 shipped model has 2 key/value heads, and a model with 8 would have to be trained.
 
 `run_table` yields the rows as they are measured, so the app's screen 4 shows each as it lands
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvtui.engine.protocol import EngineError, RunSettings
-from kvtui.engine.spec import check_run, parse_engine
+from kvtui.engine.spec import check_run, open_engine, parse_engine
 from kvtui.gpu.probe import cuda_visible
 from kvtui.sim.pool import KVPool
 from kvtui.sim.tricks import (
@@ -122,7 +122,9 @@ def default_budget(settings: RunSettings) -> int:
 
 
 def check_table(base: RunSettings) -> None:
-    """Refuse, before any row runs, a base run no row could make (`EngineError`, one line)."""
+    """Refuse, before any row runs, a base run no row could make (`EngineError`, one line): on
+    `sim:` each row's engine is opened too (arithmetic, no torch), so that an unknown GPU or a
+    model it cannot hold is refused here, not taken for a pool that stopped every row at once."""
     spec = check_run(base)
     if spec.kind not in ("tiny", "shape", "sim"):
         raise EngineError(
@@ -130,7 +132,12 @@ def check_table(base: RunSettings) -> None:
         )
     for row in TABLE_ROWS:
         if not row.formula_only:
-            check_run(row.settings(base))
+            try:
+                check_run(row.settings(base))
+            except EngineError as exc:  # the table's own setting: say whose
+                raise EngineError(f"the {row.label} row: {exc}") from None
+            if spec.kind == "sim":
+                open_engine(row.settings(base)).close()
 
 
 def _speed(loop: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +191,7 @@ def run_row(
         text=r["text"][:160],
     )
     if row.key == "prefix":  # the same batch without sharing, for its pool and speed
-        out["first_step_positions"] = r["work_cached"] - (cached["tokens"] - 1) * r["batch"]
+        out["first_step_positions"] = cached["first_step_positions"]  # the prefill's own count
         unshared = replace(settings, enable_prefix_caching=False)
         try:
             plain = run_bench(unshared, quality_bytes=0)
@@ -196,22 +203,36 @@ def run_row(
             "steps": c["tokens"],
             "tokens_before_full_predicted": c["tokens_before_full_predicted"],
             "speed": _speed(c),
-            "first_step_positions": plain["work_cached"] - (c["tokens"] - 1) * plain["batch"],
+            "first_step_positions": c["first_step_positions"],
         }
     return out
 
 
 def _no_steps(settings: RunSettings, message: str) -> dict[str, Any]:
-    """A row whose run made no step: the pool could not hold the prompt (of every sequence)."""
+    """A row whose run made no step: the pool could not hold the prompt (of every sequence).
+    Its bytes per token and its prediction are still the formula's (the layout's, on the
+    table's pool)."""
+    from kvtui.engine.spec import prompt_positions
+
+    shape = _shape(settings)
+    per_token = predicted = None
+    if shape is not None:
+        per_token = layout_bytes_per_token(shape[0], settings.layout, shape[1])
+        budget = settings.kv_budget_bytes or default_budget(settings)
+        pool = KVPool(budget, settings.kv_block_tokens, per_token)
+        P = prompt_positions(settings)
+        predicted = tokens_before_full(pool, settings.layout, P, settings.batch)
+    sim = parse_engine(settings.engine).kind == "sim"
     return {
-        "how": "measured",
+        "how": "modelled" if sim else "measured",
         "words": settings.layout.words(),
         "batch": settings.batch,
         "tokens": settings.tokens,
+        "kv_bytes_per_token_formula": per_token,
         "steps": 0,
         "stopped": True,
         "stop_message": message,
-        "tokens_before_full_predicted": 0,
+        "tokens_before_full_predicted": predicted,
         "first_step_positions": 0,
         "quality": None,
         "speed": {},
@@ -231,6 +252,7 @@ def _formula_row(base: RunSettings) -> dict[str, Any]:
     P = prompt_positions(base)
     return {
         "how": "formula",
+        "label": f"{mha.kv_heads} KV heads (MHA)",  # the model's query heads, not the shipped 8
         "words": f"{mha.kv_heads} KV heads",
         "kv_bytes_per_token_formula": per_token,
         "tokens_before_full_predicted": tokens_before_full(pool, KVLayout(), P, 1),
@@ -243,26 +265,30 @@ def _formula_row(base: RunSettings) -> dict[str, Any]:
 
 def _shape(base: RunSettings) -> tuple[Any, str] | None:
     """The model's shape and the dtype its cache is kept in, cheaply (no torch): the shipped
-    model's from its header (fp32 on a CPU, as the engine runs it), a catalog model's."""
+    model's from its header, a catalog model's; in the dtype kvtui's engine computes it in
+    (kvtui.sim.catalog.compute_dtype: fp32 on a CPU, the weights' own on a GPU where it can),
+    or on `sim:` as a server keeps it."""
     from kvtui.engine.spec import tiny_config
-    from kvtui.sim.catalog import get_model
+    from kvtui.sim.catalog import compute_dtype, get_model, serving_dtypes
     from kvtui.sim.parallel import shard
 
     spec = parse_engine(base.engine)
-    on_cpu = base.device == "cpu" or (base.device == "auto" and not cuda_visible())
+    on_gpu = base.device not in ("cpu", "auto") or (base.device == "auto" and cuda_visible())
     if spec.kind == "tiny":
-        from kvtui.paths import TINY_NAME
+        from kvtui.paths import TINY_NAME, TINY_WEIGHTS, asset_path
+        from kvtui.sim.hf_config import safetensors_dtype
 
         model = get_model(TINY_NAME)
         heads = tiny_config().get("n_kv_head", model.kv_heads)
         if isinstance(heads, int):
             model = replace(model, kv_heads=heads)
-        return model, "fp32" if on_cpu else "bf16"
+        stored = safetensors_dtype(asset_path(TINY_WEIGHTS)) or "fp32"
+        return model, compute_dtype(stored, gpu=on_gpu)[0]
     if spec.model:
         model = get_model(spec.model)
         if spec.kind == "sim":
-            return shard(model, spec.gpus), "bf16"
-        return model, "fp32" if on_cpu else "bf16"
+            return shard(model, spec.gpus), serving_dtypes(model.default_dtype)[1]
+        return model, compute_dtype(model.default_dtype, gpu=on_gpu)[0]
     return None
 
 
@@ -493,6 +519,7 @@ def _stop_words(row: dict[str, Any]) -> str:
 
 def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The table for a terminal, with what each column is and where its figures came from."""
+    from kvtui.engine import bench
     from kvtui.format import format_bytes, safe_text
 
     head = (
@@ -547,11 +574,18 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         )
         for cells in (head, *lines_out)
     ]
+    how = "modelled" if modelled else "measured"
     lines.append(
-        "  B/token: measured from the cache's tensors (codes and scales); formula: kvtui.sim"
+        "  B/token: "
+        + (
+            "- (a modelled run has no cache tensors to weigh)"
+            if modelled
+            else "measured from the cache's tensors (codes and scales)"
+        )
+        + "; formula: kvtui.sim"
     )
     lines.append(
-        "  stop/pred: tokens generated when the pool ran out (+: the run ended first), measured"
+        f"  stop/pred: tokens generated when the pool ran out (+: the run ended first), {how}"
         " / predicted by the trick's own C - P + 1"
     )
     if baseline:
@@ -562,7 +596,8 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             f"half); 1st diff: the first greedy token of {baseline['greedy_tokens']:,} to differ"
         )
     lines.append(
-        "  tok/s, TPOT (the mean of the first 256 steps after the first): each row's run alone; "
+        f"  tok/s, TPOT (the mean of the first {bench.SPEED_STEPS} steps after the first): each "
+        "row's run alone; "
         "speed: the plain step's time over the row's, the layouts timed in turns "
         f"({SPEED_ROUNDS} rounds of {SPEED_STEPS} steps)"
     )
@@ -573,7 +608,7 @@ def format_tricks(header: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             lines.append(
                 f"  {row['label']}: plain at the same batch stops at {b['steps']:,} "
                 f"(predicted {b['tokens_before_full_predicted']:,}); the shared prefill computed "
-                f"{row['first_step_positions']:,} positions (measured) of the {unshared:,} "
+                f"{row['first_step_positions']:,} positions ({row['how']}) of the {unshared:,} "
                 "its sequences' prompts hold"
             )
         if row["how"] == "formula":

@@ -440,12 +440,14 @@ class DecoderEngine(TorchEngine):
         """What this loop's cache layout costs in quality (kvtui.engine.quality) on the first
         `text_bytes` of the shipped held-out text: the cached loop keeps the run's layout, the
         uncached loop none (its model, averaged heads and all, is what it costs). None for a
-        model whose tokens are not bytes of text (`shape:`, random weights)."""
-        if not self.byte_level:
+        model whose tokens are not bytes of text (`shape:`, random weights), and where the loop
+        runs the shipped model with the plain cache or none (the uncached loop of a cache trick):
+        nothing to cost, it would be the model scored against itself."""
+        layout = self.settings.layout if loop == "cached" else KVLayout()
+        if not self.byte_level or layout.paged_as_is and self.baseline is None:
             return None
         from kvtui.engine.quality import heldout_ids, measure_quality
 
-        layout = self.settings.layout if loop == "cached" else KVLayout()
         ids = heldout_ids(text_bytes, self.device)
         baseline = self.baseline or self.model
         words = f"the first {ids.shape[1]:,} bytes of held-out Austen (assets/austen-heldout.txt)"

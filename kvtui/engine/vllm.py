@@ -50,7 +50,7 @@ from kvtui.engine.protocol import (
     ServerMetrics,
     StepSample,
 )
-from kvtui.sim.catalog import ConfigError, ModelSpec
+from kvtui.sim.catalog import ConfigError, ModelSpec, activation_dtype
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes_per_token
 
@@ -187,6 +187,8 @@ class VLLMEngine:
     _events: queue.Queue[object] = field(default_factory=queue.Queue, init=False)
     _poller: _Poller | None = field(default=None, init=False)
     _stream: Any = field(default=None, init=False)
+    _stream_closed: bool = field(default=False, init=False)
+    """Set by `_close_stream`: a stream that opens after it is closed at once."""
     _opened: float = field(default_factory=time.monotonic, init=False)
 
     @classmethod
@@ -221,7 +223,8 @@ class VLLMEngine:
 
     def started(self) -> RunStarted:
         s, served, spec = self.settings, self.served, self.served.spec
-        dtype = spec.default_dtype if spec is not None else ""
+        # The dtype it computes, and keeps an `auto` cache, in: bf16 beside 4-bit or 8-bit weights.
+        dtype = activation_dtype(spec.default_dtype) if spec is not None else ""
         per_token = kv_bytes_per_token(spec, dtype) if spec is not None and dtype else 0
         version = f"vLLM {served.version}" if served.version else "vLLM"
         return RunStarted(
@@ -336,6 +339,8 @@ class VLLMEngine:
         url = self.served.url
         try:
             stream = self._stream = Server(url).stream("/v1/completions", self.request())
+            if self._stream_closed:  # closed while the server had not answered: abort it
+                stream.close()
             for chunk in stream:
                 at = time.perf_counter()
                 choice = _choice(chunk)
@@ -372,6 +377,7 @@ class VLLMEngine:
             self._events.put(_Ended(f"reading the stream failed: {_error_of(exc)}"))
 
     def _close_stream(self) -> None:
+        self._stream_closed = True  # before reading `_stream`: see `_read_stream`
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()

@@ -24,6 +24,7 @@ pad token: nothing stops a run early.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -256,6 +257,10 @@ def export_hf(directory: Path, *, force: bool = False) -> Export:
         "tokenizer_config.json": tokenizer_config(args.max_positions),
         "README.md": _model_card(args, metadata, params),
     }
+    # The folders this export makes, deepest first: removed again if it fails.
+    made = [
+        p for p in (directory.absolute(), *directory.absolute().parents) if not os.path.lexists(p)
+    ]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory, prefix=".kvtui-export-") as scratch:
@@ -267,8 +272,12 @@ def export_hf(directory: Path, *, force: bool = False) -> Export:
             for name in EXPORT_FILES:
                 os.chmod(staged / name, 0o644)  # the scratch folder's files are private
                 os.replace(staged / name, directory / name)  # a folder of that name: refused
-    except OSError as exc:
-        raise ExportError(f"cannot write {directory}: {exc.strerror or exc}") from None
+    except (OSError, SafetensorError) as exc:  # safetensors' own for a failed write
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ExportError(f"cannot write {directory}: {why}") from None
     size = (directory / "model.safetensors").stat().st_size
     return Export(directory, EXPORT_FILES, params, size)
 

@@ -54,6 +54,8 @@ _DTYPE_ALIASES = {
     "float8": "fp8",
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
+    "fp8_e4m3": "fp8",  # vLLM's --kv-cache-dtype names its two fp8 formats so
+    "fp8_e5m2": "fp8",
     "4bit": "int4",
 }
 
@@ -80,7 +82,15 @@ def serving_dtypes(published: str) -> tuple[str, str]:
     `sim:` engine and screen 3's what-if both price a model so."""
     name = normalize_dtype(published)
     weights = "bf16" if name == "fp32" else name
-    return weights, weights if weights in ("fp16", "bf16") else "bf16"
+    return weights, activation_dtype(weights)
+
+
+def activation_dtype(weights: str) -> str:
+    """The dtype a server computes (and keeps an `auto` KV cache) in beside weights stored in
+    `weights`: theirs for fp32, fp16 and bf16; bf16 beside 8-bit and 4-bit weights, which are
+    dequantised to compute."""
+    name = normalize_dtype(weights)
+    return name if name in ("fp32", "fp16", "bf16") else "bf16"
 
 
 def compute_dtype(stored: str, *, gpu: bool, gpu_has_bf16: bool = True) -> tuple[str, str]:

@@ -273,8 +273,13 @@ def full_message(pool: KVPool, layout: KVLayout, prompt_tokens: int, batch: int 
     stop = tokens_before_full(pool, layout, prompt_tokens, batch)
     at = "" if stop is None else f" at token {format_int(prompt_tokens + stop - 1)}"
     per = f" per sequence ({batch} decoded together)" if batch > 1 else ""
+    head = (
+        f"the KV cache cannot hold the prompt's {format_int(prompt_tokens)} tokens{per}"
+        if stop == 0
+        else f"the KV cache is full{at}{per}"
+    )
     return (
-        f"the KV cache is full{at}{per}: {format_bytes(pool.capacity_bytes)} holds "
+        f"{head}: {format_bytes(pool.capacity_bytes)} holds "
         f"{format_int(pool.blocks)} blocks of {pool.block_tokens} tokens of "
         f"{format_int(pool.kv_bytes_per_token)} bytes ({layout.words()})"
     )
@@ -303,16 +308,21 @@ def layout_step_cost(
     batch: int = 1,
     weights_dtype: str = "bf16",
     block_tokens: int = 16,
+    kv_dtype: str | None = None,
 ) -> StepCost:
     """kvtui.sim.work.step_cost for a layout: the cached loop priced as `layout_spec` (its heads,
-    its window), its cache read in the layout's storage dtype, and with shared prefixes a
-    prefill in which the later sequences compute only what they do not share. The uncached loop
-    keeps no cache: the model as it is (with the layout's heads, which change the model)."""
+    its window), its cache read in the layout's storage dtype (`auto`: `kv_dtype`, the weights'
+    unless given: a server keeps fp8 weights' cache in bf16), and with shared prefixes a prefill
+    in which the later sequences compute only what they do not share. The uncached loop keeps
+    no cache: the model as it is (with the layout's heads, which change the model)."""
     if not cached:
         plain = KVLayout(kv_heads=layout.kv_heads)
-        return step_cost(layout_spec(spec, plain), False, step, prompt, batch, weights_dtype)
+        model_kv = normalize_dtype(kv_dtype or weights_dtype)  # its keys and values, recomputed
+        return step_cost(
+            layout_spec(spec, plain), False, step, prompt, batch, weights_dtype, model_kv
+        )
     shape = layout_spec(spec, layout)
-    kv_dtype = layout.storage_dtype(weights_dtype)
+    kv_dtype = layout.storage_dtype(kv_dtype or weights_dtype)
     shared = shared_prefix_tokens(layout, prompt, block_tokens, batch)
     if step > 0 or not shared:
         return step_cost(shape, True, step, prompt, batch, weights_dtype, kv_dtype)

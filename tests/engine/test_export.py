@@ -121,3 +121,31 @@ def test_export_hf_refuses_a_path_under_a_file(tmp_path, capsys):
     assert main(["export-hf", str(tmp_path / "file" / "sub")]) == 2
     err = capsys.readouterr().err
     assert "is not a directory" in err and err.count("\n") == 1
+
+
+def _small_files() -> None:
+    """In the child, before it runs: files past 1 MiB fail to write (EFBIG), as on a full disk."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+
+def test_export_hf_onto_a_disk_that_fills_says_so_in_one_line_and_leaves_nothing(tmp_path):
+    """The weights (13 MiB) cannot all be written: one line and exit 2, where safetensors' own
+    error was a traceback, and no folder of the export's left behind."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "new" / "tiny-austen"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvtui", "export-hf", str(target)],
+        capture_output=True,
+        text=True,
+        preexec_fn=_small_files,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"cannot write {target}" in done.stderr and done.stderr.count("\n") == 1
+    assert not (tmp_path / "new").exists()

@@ -214,6 +214,19 @@ def test_an_fp8_cache_is_predicted_in_fp8():
     assert (check.kv_dtype, check.kv_bytes_per_token) == ("fp8", 768)
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_vllms_named_fp8_caches_are_predicted_in_fp8(name):
+    """vLLM's --kv-cache-dtype also takes fp8_e4m3 and fp8_e5m2 (a byte each, as fp8): its
+    cache_config_info says so, and kvtui predicts their blocks, where it called them a KV dtype
+    it does not know."""
+    poll = server_metrics(BUSY.replace('cache_dtype="auto"', f'cache_dtype="{name}"'), 0.0)
+    watch = ServerWatch()
+    watch.add(poll)
+    check = watch.capacity(started(per_token=3072, dtype="fp32"))
+    assert isinstance(check, CapacityCheck)
+    assert (check.kv_dtype, check.kv_bytes_per_token) == ("fp8", 768)
+
+
 def test_no_prediction_without_the_model_config():
     watch = ServerWatch()
     watch.add(server_metrics(BUSY, 0.0))

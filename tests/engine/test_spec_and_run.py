@@ -423,6 +423,22 @@ def test_the_fewest_gpus_named_are_the_fewest_that_fit():
     assert weights_bytes(shard(deepseek, 16), "bf16") + gib <= 141 * gib
 
 
+def test_a_run_closed_before_it_starts_ends_the_spare_it_was_given():
+    """A run that is closed unstarted (its reader cancelled before it ran) ends the spare child
+    it holds, where the spare went on running with no one to close it."""
+    engines = Engines()
+    engines.prepare(RunSettings(engine="tiny", device="cpu", tokens=3))
+    spare = engines.spare
+    assert spare is not None and spare.alive
+    run = engines(RunSettings(engine="tiny", device="cpu", tokens=3))
+    try:
+        run.close()
+        assert not spare.alive and spare.proc.returncode is not None  # ended and reaped
+    finally:
+        spare.close()
+        engines.close()
+
+
 def test_a_spare_engine_process_is_started_between_runs_and_adopted_by_the_next():
     """`Engines` starts a spare child for a torch engine (torch imported ahead); the next torch
     run adopts it, and its progress says what it did while it waited; another kind of engine

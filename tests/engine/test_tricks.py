@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvtui.engine.loops import Sampling, counts_flops, generate
+from kvtui.engine.quality import measure_quality
 from kvtui.gpu.counting import PositionCounter
 from kvtui.gpu.load import spec_from_args
 from kvtui.gpu.model import ModelArgs, Transformer
@@ -185,6 +186,19 @@ def test_a_window_counts_positions_within_the_cache():
     model.drop_caches()
     torch.testing.assert_close(k_window, k_fresh, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(last).all()
+
+
+def test_a_windows_quality_is_measured_when_the_window_is_shorter_than_the_greedy_prompt(
+    small_model,
+):
+    """The free-running half of the quality starts from a prompt the window holds whole (a
+    window's steps after its prefill are one position each): a window of 32 against a greedy
+    prompt of 64 bytes is measured, not refused mid-way by the cache."""
+    ids = _ids(1, 200)
+    layout = KVLayout(window=32, sinks=4)
+    q = measure_quality(small_model, small_model, layout, ids, greedy_prompt=64, greedy_tokens=40)
+    assert q.positions == 199 and q.greedy_tokens == 40
+    assert q.kl > 0  # the window forgets: the measurement is of a windowed run
 
 
 # --- shared prefixes -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ run says what it kept (RunStarted), `kvtui bench` reports it per loop with its q
 `sim:` engine models the same tricks on catalog models."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -126,6 +127,15 @@ def test_a_layout_the_run_cannot_keep_is_refused_before_it_starts(settings, word
         check_run(settings)
 
 
+@pytest.mark.parametrize("command", ["bench", "tricks"])
+def test_one_byte_of_quality_text_is_refused_in_one_line(capsys, command):
+    """One byte of text has no next byte to predict: refused as the flag is read, where it
+    ended `kvtui bench` in a traceback (a mean over no positions)."""
+    assert main([command, "--quality-bytes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--quality-bytes" in err and "'1'" in err and "Traceback" not in err
+
+
 def test_a_window_goes_past_the_models_positions_in_the_cached_loop_only():
     long = RunSettings(engine="tiny", kv_window=512, tokens=5000, loops=("cached",))
     assert check_run(long).kind == "tiny"
@@ -215,6 +225,48 @@ def test_sim_models_a_window_and_shared_prefixes():
     assert events[-1].reason == "out_of_memory" and events[-1].steps == 21
 
 
+@pytest.mark.parametrize("changes", [{"kv_window": 4096}, {"enable_prefix_caching": True}])
+def test_a_layout_on_sim_reads_the_cache_in_the_dtype_the_server_keeps(changes):
+    """DeepSeek-V3's weights are fp8 and its cache bf16 (as vLLM serves it): a window that has
+    not filled, or shared prefixes after the prefill, read the same bytes a step as the plain
+    cache, where they were priced reading the cache in the weights' fp8."""
+    plain = RunSettings(
+        engine="sim:deepseek-v3@8xh200", tokens=4, batch=2, replay_speed=0, loops=("cached",)
+    )
+
+    def read(settings: RunSettings) -> list[int]:
+        events = run_events(open_engine(settings), settings)
+        return [e.bytes_read for e in events if isinstance(e, StepSample)]
+
+    assert read(replace(plain, **changes))[1:] == read(plain)[1:]
+
+
+def test_a_layouts_uncached_loop_is_priced_as_the_plain_runs():
+    """The uncached loop keeps no cache, so a trick does not change what its steps read: on the
+    shipped model (fp32 on a CPU) its keys and values are fp32, where a layout's run priced them
+    in bf16."""
+    plain = RunSettings(engine="tiny", tokens=3, device="cpu", loops=("uncached",))
+
+    def read(settings: RunSettings) -> list[int]:
+        events = run_events(open_engine(settings), settings)
+        return [e.bytes_read for e in events if isinstance(e, StepSample)]
+
+    assert read(replace(plain, kv_cache_dtype="int8")) == read(plain)
+
+
+@pytest.mark.parametrize(
+    ("weights", "per_token"),
+    [("int4", 131_072), ("fp8", 131_072), ("bf16", 131_072), ("fp16", 131_072), ("fp32", 262_144)],
+)
+def test_budgets_auto_cache_is_the_activations_dtype(capsys, weights, per_token):
+    """vLLM's --kv-cache-dtype auto keeps keys and values in the dtype the model computes in:
+    the weights' own for fp32, fp16 and bf16, bf16 beside 4-bit and 8-bit weights (which are
+    dequantised to compute), as `sim:` prices them; the budget kept them in int4 or fp8."""
+    args = ["budget", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "8192", "--json"]
+    assert main([*args, "--weights-dtype", weights, "--kv-cache-dtype", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == per_token
+
+
 def test_budget_takes_vllms_kv_cache_dtype(capsys):
     base = ["budget", "--model", "llama-3.1-8b", "--gpu", "h100", "--context", "8192", "--json"]
     assert main(base) == 0
@@ -246,6 +298,170 @@ def test_kvtui_tricks_models_every_row_on_sim_and_refuses_what_keeps_its_own_cac
     assert all(row["how"] in ("modelled", "formula") for row in rows.values())
     assert main(["tricks", "--engine", "hf:/nowhere"]) == 2
     assert "kvtui's own engines" in capsys.readouterr().err
+
+
+def test_the_multi_head_row_names_the_models_own_heads(capsys):
+    """Multi-head attention is a key/value head per query head: 32 for Llama 3.1 8B (the
+    shipped model's 8 were the row's name whatever the model)."""
+    args = ["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "200"]
+    assert main([*args, "--json"]) == 0
+    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["mha"]["label"] == "32 KV heads (MHA)" == f"{rows['mha']['words']} (MHA)"
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "32 KV heads (MHA)" in out and "8 KV heads" not in out
+
+
+def test_a_modelled_table_calls_no_figure_measured(capsys):
+    """On sim: every row is modelled: the prefix row's prefill and the stops say so, where the
+    lines under the table called them measured."""
+    assert main(["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "MODELLED" in out and "(modelled)" in out
+    assert "measured" not in out.replace("not measured", "")
+
+
+def test_the_shared_prefills_positions_are_its_own_steps_count(monkeypatch):
+    """The prefix row's prefill positions are the first step's own count, not the run's total
+    less what the later steps should have computed: a model whose later steps compute one
+    position too many on purpose leaves the prefill's 80 (44 + 3 x 12) as it was."""
+    import kvtui.engine.roofline as roofline
+    from kvtui.engine.table import run_row, table_base
+    from kvtui.sim.work import StepCost
+
+    priced = roofline.layout_step_cost
+
+    def one_too_many(*args, **kwargs):
+        cost = priced(*args, **kwargs)
+        step = args[3]
+        return cost if step == 0 else StepCost(cost.positions + 1, cost.flops, cost.bytes_read)
+
+    monkeypatch.setattr(roofline, "layout_step_cost", one_too_many)
+    base = table_base(RunSettings(engine="sim:llama-3.1-8b@h100", tokens=20, replay_speed=0))
+    prefix = next(row for row in TABLE_ROWS if row.key == "prefix")
+    row = run_row(prefix, base, quality_bytes=0)
+    assert row["steps"] == 20 and row["first_step_positions"] == 44 + 3 * (44 - 32)
+
+
+@pytest.mark.parametrize(
+    ("engine", "says"),
+    [("sim:llama-3.1-8b@nogpu", "unknown GPU 'nogpu'"), ("sim:llama-3.1-70b@t4", "do not fit")],
+)
+def test_a_sim_table_that_cannot_open_is_refused_not_shown_as_rows_that_stopped(
+    capsys, engine, says
+):
+    """An engine that cannot open is one line and exit 2, where every row became a run that
+    'stopped' at 0 tokens, predicted 0, and the table exited 0."""
+    assert main(["tricks", "--engine", engine]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.out == ""
+
+
+def test_a_row_whose_prompt_the_pool_cannot_hold_keeps_its_formula_and_prediction(capsys):
+    """A pool too small for the prompt stops every row before its first step: the rows still
+    give the formula's bytes per token and the prediction (0 here) from the formula, and on
+    sim: say they are modelled, where they said 0 bytes, a prediction of 0 whatever the pool,
+    and measured."""
+    args = ["tricks", "--engine", "sim:llama-3.1-8b@h100", "--kv-budget", "1MiB", "--json"]
+    assert main(args) == 0
+    rows = {row["key"]: row for row in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["plain"]["steps"] == 0 and rows["plain"]["how"] == "modelled"
+    assert rows["plain"]["kv_bytes_per_token_formula"] == 131_072
+    assert rows["fp8"]["kv_bytes_per_token_formula"] == 65_536
+    assert rows["plain"]["tokens_before_full_predicted"] == 0  # 8 tokens of room, 44 asked
+    assert rows["window"]["tokens_before_full_predicted"] == 0
+
+
+def test_the_tables_formula_prices_the_dtype_the_engine_computes_in():
+    """On a GPU kvtui's engine computes GPT-2 (published in fp32) in fp32 (catalog.compute_dtype):
+    the multi-head row's formula and the table's budget price that, where they took every model
+    on a GPU to be bf16 (half the bytes the measured rows would hold). No GPU is needed: the
+    formula row runs no engine."""
+    from kvtui.engine.table import run_row, table_base
+
+    base = table_base(RunSettings(engine="shape:gpt2", device="cuda"))
+    mha = next(row for row in TABLE_ROWS if row.key == "mha")
+    row = run_row(mha, base, quality_bytes=0)
+    assert row["kv_bytes_per_token_formula"] == 12 * 2 * 12 * 64 * 4  # fp32
+    assert base.kv_budget_bytes == 16 * 2**20  # 160 tokens of 73,728 bytes, a power of two
+
+
+@pytest.mark.parametrize(
+    ("changes", "says"),
+    [
+        ({"kv_window": 0}, "--kv-window must be at least 1"),
+        ({"kv_window": 128, "kv_sinks": 200}, "leaves no room"),
+        ({"kv_cache_dtype": "bogus"}, "--kv-cache-dtype must be one of"),
+        ({"kv_shared_tokens": 45}, "45 shared of 44 prompt tokens"),
+    ],
+)
+def test_a_record_whose_cache_layout_no_run_can_have_is_corrupt(tmp_path, capsys, changes, says):
+    """A replayed run's layout is checked as a live run's is: a window of 0, more sinks than
+    window, a cache dtype that is none, more shared positions than the prompt has, where the
+    replay showed them (a window of 0 held 11.6 MiB, 'formula 0 B')."""
+    record = tmp_path / "run.jsonl"
+    args = ["bench", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "5", "--replay-speed", "0"]
+    assert main([*args, "--loops", "cached", "--record", str(record)]) == 0
+    lines = record.read_text().splitlines()
+    lines[1] = json.dumps({**json.loads(lines[1]), **changes})
+    record.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    assert main(["bench", "--engine", f"replay:{record}", "--replay-speed", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "corrupt record" in err and says in err
+
+
+def test_the_tables_tpot_note_names_the_steps_bench_takes_it_over(monkeypatch, capsys):
+    """The TPOT column is bench's `tpot_first_steps_s`, over bench.SPEED_STEPS steps: the note
+    under the table reads that number, where it wrote 256 beside it."""
+    import kvtui.engine.bench as bench
+
+    monkeypatch.setattr(bench, "SPEED_STEPS", 64)
+    assert main(["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "100"]) == 0
+    assert "TPOT (the mean of the first 64 steps after the first)" in capsys.readouterr().out
+
+
+def test_a_layout_whose_pool_cannot_hold_the_prompt_says_so():
+    """A window's or shared prefixes' pool too small for the prompts: the message says so, as
+    the plain pool's does, where it said the cache was full 'at token 43' of a 44-token prompt."""
+    from kvtui.sim.tricks import full_message
+
+    pool = KVPool(160 * 1024, 16, 3072)  # 3 blocks of 16
+    for layout in (KVLayout(window=100, sinks=4), KVLayout(prefix_caching=True)):
+        assert tokens_before_full(pool, layout, 44, 3) == 0
+        said = full_message(pool, layout, 44, 3)
+        assert said.startswith("the KV cache cannot hold the prompt's 44 tokens per sequence")
+        assert "at token" not in said
+
+
+def test_the_uncached_loops_quality_is_measured_only_where_its_model_changed(capsys):
+    """The uncached loop keeps no cache, so an int8 cache costs it nothing: no quality figure
+    (it was the model scored against itself, KL 0 by construction), nor for the plain cache;
+    averaged key/value heads change its model, and its quality is measured."""
+    args = ["bench", "--tokens", "3", "--greedy", "--quality-bytes", "64", "--json"]
+    assert main([*args, "--kv-cache-dtype", "int8"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["cached"]["quality"] is not None and r["uncached"]["quality"] is None
+    assert main([*args, "--kv-heads", "1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["uncached"]["quality"]["kl"] > 0
+    assert main(args) == 0  # the plain cache, asked for its quality: nothing to cost
+    r = json.loads(capsys.readouterr().out)
+    assert r["cached"]["quality"] is None and r["uncached"]["quality"] is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "row"),
+    [
+        (["--engine", "sim:deepseek-v3@8xh200"], "the 1 KV head (MQA, averaged) row: --kv-heads"),
+        (["--engine", "sim:llama-3.1-8b@h100", "--prompt", "x" * 200], "the window 124 + 4 sinks"),
+    ],
+)
+def test_a_table_a_row_refuses_names_the_row(capsys, argv, row):
+    """`kvtui tricks` takes no --kv-heads or --kv-window: a refusal that names one says which
+    row it is the setting of."""
+    assert main(["tricks", *argv]) == 2
+    assert row in capsys.readouterr().err
 
 
 def test_the_tables_process_says_why_it_cannot_run_in_one_line():

@@ -21,7 +21,9 @@ class FakeVLLM:
 
     `metrics`: the /metrics text, or None for a 404. `models`: the /v1/models answer.
     `die_after`: the server dies (`kill`) after streaming this many tokens. `token_delay_s`:
-    the pause between streamed tokens."""
+    the pause between streamed tokens. `hold`: a completion's answer waits for it to be set
+    (a request queued behind a full KV cache); `streamed` counts the tokens each completion
+    wrote before it ended or its client went away."""
 
     def __init__(
         self,
@@ -31,8 +33,11 @@ class FakeVLLM:
         die_after: int | None = None,
         token_delay_s: float = 0.01,
         max_model_len: int = 512,
+        hold: threading.Event | None = None,
     ) -> None:
         self.metrics, self.die_after, self.token_delay_s = metrics, die_after, token_delay_s
+        self.hold = hold
+        self.streamed: list[int] = []
         self.models = models or {
             "object": "list",
             "data": [{"id": "fake-model", "root": "fake-model", "max_model_len": max_model_len}],
@@ -87,22 +92,31 @@ class FakeVLLM:
                     self._json({"detail": "Not Found"}, 404)
 
             def _stream(self, body: dict[str, Any]) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                for i in range(int(body["max_tokens"])):
-                    if fake.die_after is not None and i >= fake.die_after:
-                        fake.kill()
-                        return
-                    token = 97 + i % 26
-                    chunk = {"choices": [{"text": chr(token), "token_ids": [token]}]}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if fake.hold is not None:
+                    fake.hold.wait(timeout=30)
+                sent = 0
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    for i in range(int(body["max_tokens"])):
+                        if fake.die_after is not None and i >= fake.die_after:
+                            fake.kill()
+                            return
+                        token = 97 + i % 26
+                        chunk = {"choices": [{"text": chr(token), "token_ids": [token]}]}
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                        sent += 1
+                        time.sleep(fake.token_delay_s)
+                    self.wfile.write(b"data: [DONE]\n\n")
                     self.wfile.flush()
-                    time.sleep(fake.token_delay_s)
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-                self.close_connection = True
+                except OSError:  # the client went away: a server aborts the request
+                    pass
+                finally:
+                    fake.streamed.append(sent)
+                    self.close_connection = True
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

@@ -72,9 +72,10 @@ async def test_the_app_stays_up_when_the_server_dies_and_says_so():
             await wait_for(pilot, lambda: "of 40 blocks in use" in screen_text(app), timeout=30)
             gone = lambda: re.search("connection (refused|reset)", screen_text(app))  # noqa: E731
             await wait_for(pilot, gone, timeout=30)
-            text = screen_text(app)
-            assert "The figures below are its last" in text
-            assert "stopped streaming after 20 of 40 tokens" in text  # the header: failed
+            # The polls and the stream see the server go each in its own time: wait for both.
+            ended = "stopped streaming after 20 of 40 tokens"  # the header: failed
+            await wait_for(pilot, lambda: ended in screen_text(app), timeout=30)
+            assert "The figures below are its last" in screen_text(app)
             await pilot.press("2")
             await wait_for(
                 pilot,
@@ -188,3 +189,70 @@ def test_the_fill_plan_asks_for_twice_the_cache_within_max_model_len():
     assert big.concurrency * 8192 >= 2 * 500_000 and big.requests == big.concurrency
     huge = fill_plan(url, 10**9, 8192)
     assert huge.concurrency == MAX_CONCURRENCY  # bounded, whatever the cache
+
+
+def test_a_quantized_models_cache_is_priced_in_the_dtype_it_computes_in(tmp_path):
+    """A served AWQ model (4-bit weights, fp16 activations): vLLM's cache dtype auto keeps keys
+    and values in 16 bits, so kvtui predicts 2 bytes an element (1,536 a token here), where it
+    priced them in the weights' int4 (384) and so predicted four times the server's blocks."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 256,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float16",
+        "quantization_config": {"quant_method": "awq", "bits": 4},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    models = {"object": "list", "data": [{"id": "m", "root": str(tmp_path), "max_model_len": 512}]}
+    server = FakeVLLM(models=models).start()
+    try:
+        engine = open_engine(settings(server.url))
+        try:
+            started = engine.started()
+        finally:
+            engine.close()
+    finally:
+        server.close()
+    assert started.kv_bytes_per_token == 6 * 2 * 2 * 32 * 2 == 1536
+
+
+def _until(condition, timeout: float = 20.0) -> bool:
+    """Whether `condition()` came true within `timeout` seconds (polled)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_run_closed_while_its_request_waits_for_an_answer_aborts_it():
+    """The engine closed while its completion waits for the server's answer (a request queued
+    behind a full KV cache): the connection closes as soon as the answer comes, which tells vLLM
+    to abort it, where the stream was read to its end, the request running on the server."""
+    hold = threading.Event()
+    server = FakeVLLM(hold=hold, token_delay_s=0.01).start()
+    try:
+        engine = open_engine(settings(server.url, tokens=300))
+        steps = engine.steps("cached")
+        next(steps)  # the poll before the request
+        reader = threading.Thread(target=lambda: list(steps), daemon=True)
+        reader.start()
+        assert _until(lambda: "POST /v1/completions" in server.requests)
+        engine.close()
+        hold.set()
+        assert _until(lambda: bool(server.streamed))
+        assert server.streamed[0] < 50  # of 300: it wrote into a closed connection
+        reader.join(timeout=10)
+        assert not reader.is_alive()
+    finally:
+        hold.set()
+        server.close()
