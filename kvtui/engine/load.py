@@ -43,6 +43,10 @@ DEFAULT_SECONDS = 120.0
 """A load's wall-time limit unless told: two minutes."""
 FILL_CONCURRENCY = 16
 """Requests at a time of the load `fill_plan` makes."""
+FILL_WAVES = 4
+"""Requests of the fill per request at a time: as one ends the next takes its place, so the cache
+stays full for a while to see (one wave of 16 took 1.3 s on the test server: a blip between two
+polls) rather than filling once and draining."""
 FILL_PROMPT_TOKENS = 64
 
 
@@ -80,12 +84,14 @@ class LoadPlan:
 def fill_plan(url: ServerURL, capacity_tokens: int, max_model_len: int | None) -> LoadPlan:
     """A load that asks for twice the server's KV cache: FILL_CONCURRENCY requests at a time
     (more when the cache holds more than that many full-length requests twice), each as long as
-    twice the cache shared among them allows (at most max_model_len), one wave."""
+    twice the cache shared among them allows (at most max_model_len), FILL_WAVES of them in
+    turn for each request at a time."""
     longest = max_model_len or 4096
     prompt = max(1, min(FILL_PROMPT_TOKENS, longest // 4))
     each = min(longest, max(prompt + 1, -(-2 * capacity_tokens // FILL_CONCURRENCY)))
     n = min(MAX_CONCURRENCY, max(FILL_CONCURRENCY, -(-2 * capacity_tokens // each)))
-    return LoadPlan(url, n, prompt, each - prompt, n, DEFAULT_SECONDS)
+    requests = min(MAX_REQUESTS, n * FILL_WAVES)
+    return LoadPlan(url, n, prompt, each - prompt, requests, DEFAULT_SECONDS)
 
 
 @dataclass

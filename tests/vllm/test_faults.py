@@ -14,7 +14,7 @@ import pytest
 from kvtui.app import make_app
 from kvtui.cli import main
 from kvtui.engine.client import ServerURL
-from kvtui.engine.load import MAX_CONCURRENCY, fill_plan
+from kvtui.engine.load import FILL_WAVES, MAX_CONCURRENCY, fill_plan
 from kvtui.engine.protocol import (
     RunControl,
     RunFinished,
@@ -186,7 +186,8 @@ def test_the_fill_plan_asks_for_twice_the_cache_within_max_model_len():
     assert small.concurrency * (small.prompt_tokens + small.max_tokens) == 2 * 1280
     big = fill_plan(url, 500_000, 8192)  # a GPU's cache: requests as long as the model allows
     assert big.prompt_tokens + big.max_tokens == 8192 and big.concurrency == 123
-    assert big.concurrency * 8192 >= 2 * 500_000 and big.requests == big.concurrency
+    assert big.concurrency * 8192 >= 2 * 500_000
+    assert small.requests == FILL_WAVES * 16 and big.requests == FILL_WAVES * big.concurrency
     huge = fill_plan(url, 10**9, 8192)
     assert huge.concurrency == MAX_CONCURRENCY  # bounded, whatever the cache
 
