@@ -396,7 +396,8 @@ def check_run(settings: RunSettings) -> EngineSpec:
                 if window is None:
                     raise
                 raise EngineError(
-                    f"{exc}: the uncached loop keeps no window (--loops cached goes on past it)"
+                    f"{exc}: the uncached loop keeps no window (only the cached loop goes on "
+                    "past it: kvtui bench --loops cached, or the app's screen 4 race)"
                 ) from None
     return spec
 
