@@ -19,15 +19,24 @@ _NO_LIMIT = 2**60
 
 def host_room(*, proc: Path | None = None, cgroup: Path | None = None) -> tuple[int, str]:
     """The memory this process may still take on the host, and what bounds it, in words: the
-    least of the free host RAM, the room left under an address-space limit (`ulimit -v`,
-    RLIMIT_AS, against the address space already mapped) and the room left in its cgroup and
-    every cgroup above it (v2 `memory.max` less `memory.current`, v1 `memory.limit_in_bytes` less
-    `memory.usage_in_bytes`): a container with 4 GB on a large host has 4 GB, whatever the host
-    has free. `EngineError` when the free RAM cannot be read. (`proc` and `cgroup`: where /proc
-    and /sys/fs/cgroup are, PROC and CGROUP.)"""
+    least of the host RAM available (/proc/meminfo's MemAvailable, else the free pages), the
+    room left under an address-space limit (`ulimit -v`, RLIMIT_AS, against the address space
+    already mapped) and the room left in its cgroup and every cgroup above it (v2 `memory.max`
+    less `memory.current`, v1 `memory.limit_in_bytes` less `memory.usage_in_bytes`): a
+    container with 4 GB on a large host has 4 GB, whatever the host has free. `EngineError`
+    when the free RAM cannot be read. (`proc` and `cgroup`: where /proc and /sys/fs/cgroup are,
+    PROC and CGROUP.)"""
     proc, cgroup = proc or PROC, cgroup or CGROUP
+    # MemAvailable counts the page cache the kernel gives back on demand; MemFree (sysconf's
+    # free pages), where there is no MemAvailable, does not, and on a server that has read its
+    # disks it is a fraction of what a model can really take.
+    available = _status_bytes(proc / "meminfo", "MemAvailable")
     try:
-        rooms = [(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM")]
+        rooms = [
+            (available, "available host RAM")
+            if available
+            else (os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free host RAM")
+        ]
     except (ValueError, OSError) as exc:
         raise EngineError(f"cannot read this machine's free memory: {exc}") from None
     soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -49,7 +58,8 @@ def _read_int(path: Path) -> int | None:
 
 
 def _status_bytes(path: Path, field: str) -> int:
-    """A `kB` field of /proc/self/status, in bytes (0 where it cannot be read)."""
+    """A `kB` field of /proc/self/status or /proc/meminfo, in bytes (0 where it cannot be
+    read)."""
     try:
         for line in path.read_text().splitlines():
             name, _, value = line.partition(":")

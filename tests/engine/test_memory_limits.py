@@ -108,3 +108,15 @@ def test_an_allocation_that_fails_while_building_is_one_line(capsys, monkeypatch
     out, err = capsys.readouterr()
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and "out of memory while building" in err, err
+
+
+def test_the_host_room_is_the_ram_available_not_only_the_free_pages(tmp_path, unlimited):
+    """A server that has read its disks has little MemFree and much MemAvailable (page cache the
+    kernel gives back): the room is the latter, or a model that fits is refused."""
+    proc, cgroup = fake_cgroup(tmp_path, "0::/\n", {})
+    (proc / "meminfo").write_text(
+        f"MemTotal:       {64 * GIB // 1024} kB\nMemFree:        {GIB // 1024} kB\n"
+        f"MemAvailable:   {40 * GIB // 1024} kB\n"
+    )
+    room, where = host.host_room(proc=proc, cgroup=cgroup)
+    assert (room, where) == (40 * GIB, "available host RAM")
