@@ -90,13 +90,15 @@ async def test_the_app_watches_a_load_fill_vllms_cache_preempt_and_drain(vllm_se
         await wait_for(pilot, lambda: "= 40 blocks: agree" in screen_text(app), timeout=10)
         await pilot.press("f")  # 64 requests of 64 + 96 tokens, 16 at a time: twice the cache
         run = lambda: app.live_run.server  # noqa: E731
-        await wait_for(pilot, lambda: run().peak_usage >= 0.9, timeout=60)
-        await wait_for(pilot, lambda: (run().preemptions_seen or 0) >= 1, timeout=60)
+        # Bounds for a machine whose other core runs the rest of the suite (the server's
+        # threads then wait their turn, and its polls with them): each returns when it holds.
+        await wait_for(pilot, lambda: run().peak_usage >= 0.9, timeout=180)
+        await wait_for(pilot, lambda: (run().preemptions_seen or 0) >= 1, timeout=180)
         text = screen_text(app)
         assert "preemption" in text and "while watched" in text
         ended = lambda: [n for n in notifications_in(seen) if "requests done" in n]  # noqa: E731
-        await wait_for(pilot, ended, timeout=120)
+        await wait_for(pilot, ended, timeout=240)
         assert "64 of 64 requests done (0 cut short, 0 failed)" in ended()[0]
-        await wait_for(pilot, lambda: run().usage[-1][1] == 0.0, timeout=30)  # drained
+        await wait_for(pilot, lambda: run().usage[-1][1] == 0.0, timeout=90)  # drained
         assert "0% of 40 blocks in use" in screen_text(app)
         assert max(u for _, u in run().usage) >= 0.9  # it rose, and fell
