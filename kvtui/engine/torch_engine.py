@@ -247,18 +247,16 @@ class TorchEngine(ABC):
                 run = cached_loop(model, prompt, s.tokens, sampling, self.counter)
             else:
                 run = recompute_loop(self.recompute, prompt, s.tokens, sampling, self.counter)
+            due = self._watch_step(loop, 0)  # decided before each step: only it is watched
             for step in run:
                 if loop == "cached":
                     allocated, filled = step.kv_bytes_allocated, step.kv_bytes
                 done += 1
                 sample = self._sample(loop, step, P, text(step.token_id))
-                read = (
-                    self._attention(step.position)
-                    if self._attention_due(loop, step.index)
-                    else None
-                )
+                read = self._attention(step.position) if due else None
                 if read is not None:  # read outside the step's timing
                     sample = replace(sample, attention_spans=read[0], attention=read[1])
+                due = self._watch_step(loop, step.index + 1)
                 yield sample
                 if loop == "uncached" and done % TRIM_EVERY_STEPS == 0:
                     trim_host_memory()  # between steps: never inside a timed one
@@ -296,6 +294,19 @@ class TorchEngine(ABC):
         key last), as `attention_layer` and `attention_heads` say; None where the engine does not
         observe it. A hook: kvtui's own decoder does."""
         return None
+
+    def watch_next_step(self, on: bool) -> None:
+        """Have the model keep what `newest_attention` reads during the next step, or not. A
+        hook: kvtui's own decoder does."""
+        return None
+
+    def _watch_step(self, loop: Loop, index: int) -> bool:
+        """Whether step `index` of `loop`, about to run, carries its attention; the model
+        watches that step only (keeping a layer's queries and keys on every step cost 4% of a
+        cached step: benchmarks/attention_cost.py)."""
+        due = self._attention_due(loop, index)
+        self.watch_next_step(due)
+        return due
 
     def _attention_due(self, loop: Loop, index: int) -> bool:
         """Whether step `index` of `loop` carries its attention: its first and last steps, and
@@ -427,10 +438,8 @@ class DecoderEngine(TorchEngine):
     def prompt_ids(self) -> Tensor:
         return self._prompt
 
-    def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:
-        watching = self.attention_per_second > 0
-        self.model.watch_layer = self.attention_layer if watching else None
-        return super().steps(loop)
+    def watch_next_step(self, on: bool) -> None:
+        self.model.watch_layer = self.attention_layer if on else None
 
     baseline: Transformer | None = None
     """The model as shipped, where `--kv-heads` averaged its heads (the reference its quality

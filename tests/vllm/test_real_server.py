@@ -92,7 +92,14 @@ async def test_the_app_watches_a_load_fill_vllms_cache_preempt_and_drain(vllm_se
         run = lambda: app.live_run.server  # noqa: E731
         # Bounds for a machine whose other core runs the rest of the suite (the server's
         # threads then wait their turn, and its polls with them): each returns when it holds.
-        await wait_for(pilot, lambda: run().peak_usage >= 0.9, timeout=180)
+        try:
+            await wait_for(pilot, lambda: run().peak_usage >= 0.9, timeout=180)
+        except AssertionError as exc:  # what the app saw instead, for whoever reads the failure
+            w = run()
+            raise AssertionError(
+                f"{exc}; polls {w.polls} ({w.failed} failed, {w.error!r}), usage "
+                f"{list(w.usage)[-12:]}, notifications {notifications_in(seen)}"
+            ) from None
         await wait_for(pilot, lambda: (run().preemptions_seen or 0) >= 1, timeout=180)
         text = screen_text(app)
         assert "preemption" in text and "while watched" in text
