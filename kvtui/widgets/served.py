@@ -153,8 +153,13 @@ class ServedCache(Widget):
     def _blocks(self, server: ServerWatch) -> Text:
         m = server.latest
         assert m is not None  # render draws blocks only with figures
-        usage = m.kv_usage or 0.0
         line = Text(no_wrap=True, overflow="ellipsis")
+        if m.kv_usage is None:  # a poll without the usage gauge: said, not drawn as 0%
+            line.append(
+                f" KV-cache usage: not in this poll, peak {format_percent(server.peak_usage)}"
+            )
+            return line
+        usage = m.kv_usage
         summary = f" {format_percent(usage)} in use, peak {format_percent(server.peak_usage)}"
         if m.kv_blocks:  # vLLM reports a share: the cells are that share of its blocks
             summary = f" {format_percent(usage)} of {format_int(m.kv_blocks)} blocks in use, peak "

@@ -257,3 +257,19 @@ def test_a_run_closed_while_its_request_waits_for_an_answer_aborts_it():
     finally:
         hold.set()
         server.close()
+
+
+async def test_a_poll_without_the_usage_gauge_says_so_rather_than_draw_0_percent():
+    """A server whose /metrics has the cache's size but not its usage: the panel says the usage
+    is not in the poll, where it drew 0% as if the cache were empty."""
+    from .fake import METRICS
+
+    without = "\n".join(line for line in METRICS.splitlines() if "kv_cache_usage_perc" not in line)
+    server = FakeVLLM(metrics=without + "\n").start()
+    app = make_app(settings(server.url), 3, probe=NO_GPU_PROBE)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: "KV-cache usage: not in this poll" in screen_text(app))
+            assert "blocks in use" not in screen_text(app)
+    finally:
+        server.close()
