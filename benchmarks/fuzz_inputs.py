@@ -115,6 +115,15 @@ TMUX = ["tmux", "-L", f"kvtui-sweep-{os.getpid()}"]
 """The sweep's own tmux server: its sessions come and go without touching anyone else's."""
 
 
+def pane(session: str) -> str:
+    """What the sweep's tmux `session` shows now, as text."""
+    import subprocess
+
+    return subprocess.run(
+        [*TMUX, "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=False
+    ).stdout
+
+
 def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, float]:
     """The app in tmux at 100x30, sent `keys` random keys per run (letters, arrows, page keys,
     the palette, bytes that are not UTF-8), then q: "alive, quit with q" when it was still up,
@@ -212,31 +221,16 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                     if key == "q":
                         key = "r"  # q would end the run early: it is tested at the end
                     if len(sent) % 10 == 0 and not status_file.exists():  # the app, as last seen
-                        shown = subprocess.run(
-                            [*TMUX, "capture-pane", "-p", "-t", session],
-                            capture_output=True,
-                            text=True,
-                            check=False,
-                        ).stdout
+                        shown = pane(session)
                         if "Quit" in shown or "Close" in shown:
                             last_alive, alive_at = shown, len(sent)
                     if key == "Enter" and not status_file.exists():  # what Enter may choose
-                        last_seen = subprocess.run(
-                            [*TMUX, "capture-pane", "-p", "-t", session],
-                            capture_output=True,
-                            text=True,
-                            check=False,
-                        ).stdout
+                        last_seen = pane(session)
                         last_enter = len(sent)
                     subprocess.run([*TMUX, "send-keys", "-t", session, key], check=False)
                     sent.append(key)
                 time.sleep(2)
-                screen = subprocess.run(
-                    [*TMUX, "capture-pane", "-p", "-t", session],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                ).stdout
+                screen = pane(session)
                 alive = not status_file.exists()
                 deadline = time.monotonic() + 20
                 while not status_file.exists() and time.monotonic() < deadline:
@@ -247,12 +241,7 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                     subprocess.run([*TMUX, "send-keys", "-t", session, "q"], check=False)
                     time.sleep(1.0)
                 status = status_file.read_text().strip() if status_file.exists() else "none"
-                after = subprocess.run(
-                    [*TMUX, "capture-pane", "-p", "-t", session],
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                ).stdout
+                after = pane(session)
             finally:
                 subprocess.run([*TMUX, "kill-session", "-t", session], check=False)
             if "Traceback" in screen + after or "Error" in screen:

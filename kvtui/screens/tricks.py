@@ -578,13 +578,8 @@ class TricksScreen(LessonScreen):
             state = "FULL" if full else "done" if live.freed else f"{trace.steps:,} tok"
             words = f"{format_bytes(held)}/{format_bytes(cap)} {state}"
             pool_line.show(held / cap if cap else 0, words, full)
-        stream.show(
-            trace.text,
-            trace.last_text,
-            trace.steps,
-            prompt=run.prompt_text,
-            placeholder=placeholder,
-        )
+        # A placeholder is said in the title: the subtitle is the pool's (stopped at ...).
+        stream.show(trace.text, trace.last_text, trace.steps, prompt=run.prompt_text)
         finished = trace.finished
         if full:
             stream.border_subtitle = f"stopped at {trace.steps:,}: pool full"
