@@ -75,6 +75,7 @@ from kvtui.sim.tricks import (
     layout_bytes_per_token,
     layout_step_cost,
     shared_prefix_tokens,
+    tokens_before_full,
 )
 from kvtui.sim.work import step_cost
 from kvtui.text import Utf8Stream, encode_bytes
@@ -247,7 +248,8 @@ class TorchEngine(ABC):
                 run = cached_loop(model, prompt, s.tokens, sampling, self.counter)
             else:
                 run = recompute_loop(self.recompute, prompt, s.tokens, sampling, self.counter)
-            due = self._watch_step(loop, 0)  # decided before each step: only it is watched
+            last = self._last_step(loop, P)
+            due = self._watch_step(loop, 0, last)  # decided before each step: only it is watched
             for step in run:
                 if loop == "cached":
                     allocated, filled = step.kv_bytes_allocated, step.kv_bytes
@@ -256,7 +258,7 @@ class TorchEngine(ABC):
                 read = self._attention(step.position) if due else None
                 if read is not None:  # read outside the step's timing
                     sample = replace(sample, attention_spans=read[0], attention=read[1])
-                due = self._watch_step(loop, step.index + 1)
+                due = self._watch_step(loop, step.index + 1, last)
                 yield sample
                 if loop == "uncached" and done % TRIM_EVERY_STEPS == 0:
                     trim_host_memory()  # between steps: never inside a timed one
@@ -300,25 +302,37 @@ class TorchEngine(ABC):
         hook: kvtui's own decoder does."""
         return None
 
-    def _watch_step(self, loop: Loop, index: int) -> bool:
+    def _last_step(self, loop: Loop, prompt_tokens: int) -> int:
+        """The index of `loop`'s last step, as far as it can be told before the run: the run's
+        length, or, sooner, the cached step that fills the pool (the layout's prediction, used
+        only so that the picture's last read is of the step the loop stopped at)."""
+        last = self.settings.tokens - 1
+        if loop == "cached" and self.pool is not None:
+            s = self.settings
+            fits = tokens_before_full(self.pool, s.layout, prompt_tokens, s.batch)
+            if fits is not None:
+                last = min(last, fits - 1)
+        return last
+
+    def _watch_step(self, loop: Loop, index: int, last: int) -> bool:
         """Whether step `index` of `loop`, about to run, carries its attention; the model
         watches that step only (keeping a layer's queries and keys on every step cost 4% of a
         cached step: benchmarks/attention_cost.py)."""
-        due = self._attention_due(loop, index)
+        due = self._attention_due(loop, index, last)
         self.watch_next_step(due)
         return due
 
-    def _attention_due(self, loop: Loop, index: int) -> bool:
-        """Whether step `index` of `loop` carries its attention: its first and last steps, and
+    def _attention_due(self, loop: Loop, index: int, last: int) -> bool:
+        """Whether step `index` of `loop` carries its attention: its first and `last` steps, and
         others at most `attention_per_second` a second (time kept per loop)."""
         if self.attention_layer is None or self.attention_per_second <= 0:
             return False
         now = self.clock()
-        last = self._attention_sent.get(loop)
-        if index in (0, self.settings.tokens - 1) or last is None:
+        sent = self._attention_sent.get(loop)
+        if index in (0, last) or sent is None:
             due = True
         else:
-            due = now - last >= 1 / self.attention_per_second
+            due = now - sent >= 1 / self.attention_per_second
         if due:
             self._attention_sent[loop] = now
         return due

@@ -70,10 +70,21 @@ def known_model(*, looks_at_a: bool) -> Transformer:
 
 
 def run(
-    model: Transformer, tokens: int, per_second: float = math.inf, clock=None, loops=LOOPS
+    model: Transformer,
+    tokens: int,
+    per_second: float = math.inf,
+    clock=None,
+    loops=LOOPS,
+    kv_budget_bytes: int | None = None,
 ) -> list[StepSample]:
     settings = RunSettings(
-        engine="tiny", device="cpu", prompt=PROMPT, tokens=tokens, greedy=True, loops=loops
+        engine="tiny",
+        device="cpu",
+        prompt=PROMPT,
+        tokens=tokens,
+        greedy=True,
+        loops=loops,
+        kv_budget_bytes=kv_budget_bytes,
     )
     spec = spec_from_args("known", KNOWN)
     engine = DecoderEngine(
@@ -154,6 +165,20 @@ def test_attention_is_sent_at_most_so_often_first_and_last_always():
         sent = [s.step for s in samples if s.attention is not None]
         assert sent[0] == 0 and sent[-1] == 59
         assert [b - a for a, b in zip(sent, sent[1:-1], strict=False)] == [7] * 8  # 1/15 s
+
+
+def test_a_loop_stopped_by_a_full_pool_sends_the_attention_of_its_last_step():
+    ticks = iter(range(10**6))  # the clock moves 10 ms a step
+    clock = lambda: next(ticks) / 100  # noqa: E731
+    model = known_model(looks_at_a=True)
+    per_token = 2 * KNOWN.n_layer * KNOWN.n_kv_head * KNOWN.head_dim * 4  # fp32
+    budget = 4 * 16 * per_token  # 4 blocks of 16 positions: 64 positions, the prompt's 6 too
+    samples = run(model, 80, 15.0, clock, loops=("cached",), kv_budget_bytes=budget)
+    assert len(samples) == 64 - len(PROMPT) + 1  # the step after the last one found no block
+    assert samples[-1].step % 7  # not a step the rate (every 7th) would have read anyway
+    sent = [s.step for s in samples if s.attention is not None]
+    assert sent[0] == 0 and sent[-1] == samples[-1].step
+    assert read(samples[-1]).keys == samples[-1].position  # it read every key the pool held
 
 
 def test_without_a_rate_the_model_keeps_nothing_and_no_step_carries_attention():
