@@ -146,6 +146,7 @@ class LessonScreen(Screen):
             self._status_words(),
             device_label=self.run.device_label,
             engine_short=brief,
+            status_short=self._status_words(brief=True),
         )
         self.redraw()
 
@@ -163,8 +164,8 @@ class LessonScreen(Screen):
             parts.append(format_count(started.threads, "thread"))
         return ", ".join(parts)
 
-    def _status_words(self) -> str:
-        words = self.run.status_line()
+    def _status_words(self, brief: bool = False) -> str:
+        words = self.run.status_line(brief)
         if self.run.state in ("failed", "done", "stopped"):
             words += " · r restarts"
         return words

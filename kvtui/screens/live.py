@@ -499,8 +499,8 @@ class LiveRun:
             return "no weights in this record"
         return "no attention weights"
 
-    def status_line(self) -> str:
-        """The run state in a few words, for the header."""
+    def status_line(self, brief: bool = False) -> str:
+        """The run state in a few words, for the header; `brief`, fewer, for a narrow one."""
         total = self.run_tokens
         if self.state == "failed":
             return f"failed: {self.failure}" if self.failure else "failed"
@@ -524,6 +524,6 @@ class LiveRun:
             words += f" · {each} of {total:,}"
         cached = self.loops["cached"].finished
         if cached is not None and cached.reason == "out_of_memory":
-            words += " · cached loop stopped: KV cache full"
+            words += " · KV cache full" if brief else " · cached loop stopped: KV cache full"
         lesson = self.settings.lesson and not self.replayed  # a replay plays what it recorded
         return words + (" · lesson mode" if lesson else "")

@@ -29,7 +29,7 @@ class RunHeader(Widget):
 
     def __init__(self) -> None:
         super().__init__()
-        self._parts: tuple[str, str, str, str, str, str] = ("", "", "", "", "", "")
+        self._parts: tuple[str, ...] = ("",) * 7
 
     def show(
         self,
@@ -41,29 +41,35 @@ class RunHeader(Widget):
         *,
         device_label: str,
         engine_short: str = "",
+        status_short: str = "",
     ) -> None:
         """`device` in full (the probe's `description`); `device_label` in a few words (its
         `label`), used when the line is narrow; `engine_short`, the engine in fewer words, when
-        even that is too long."""
+        even that is too long; `status_short`, the status in fewer words, last of all."""
         for name in ("running", "paused", "done", "failed", "stopped", "starting"):
             self.set_class(name == state, f"-{name}")
         mark = MARKS.get(state, "… ")
+        brief_status = mark + (status_short or status)
         parts = (mark + status, engine, model, device, device_label, engine_short or engine)
+        parts += (brief_status,)
         if parts != self._parts:  # a redraw that changed nothing repaints nothing
             self._parts = parts
             self.refresh()
 
     def variants(self) -> list[Text]:
         """The header's line, from the fullest wording to the shortest."""
-        status, full, model, device, short, brief = self._parts
-        wordings = [(full, model, device), (full, model, short), (full, "", short)]
-        wordings.append((brief, "", short))
-        wordings.append((brief, "", ""))  # the device left to help (?) rather than cut mid-word
+        status, full, model, device, short, brief, brief_status = self._parts
+        wordings = [(status, full, model, device), (status, full, model, short)]
+        wordings.append((status, full, "", short))
+        wordings.append((status, brief, "", short))
+        wordings.append((status, brief, "", ""))  # the device left to help rather than cut
+        if brief_status != status:  # then the status in fewer words
+            wordings += [(brief_status, brief, "", short), (brief_status, brief, "", "")]
         lines = []
-        for engine, words, where in wordings:
+        for said, engine, words, where in wordings:
             for separator in ("  │  ", " │ "):
                 text = Text(no_wrap=True, overflow="ellipsis", end="")
-                text.append(status, style="bold")
+                text.append(said, style="bold")
                 text.append(separator, style="dim")
                 text.append(engine, style="bold")
                 if words and words != engine:

@@ -66,3 +66,24 @@ async def test_a_header_too_narrow_for_the_device_leaves_it_out_rather_than_cut_
         await pilot.pause()
         line = str(header.render())
     assert line == "▶ running · uncached 202, cached 225 of 256  │  sim:llama-3.1-70b@4xh100"
+
+
+async def test_a_status_too_long_for_the_line_is_said_in_fewer_words_not_cut():
+    """At 80 columns a stopped cached loop's status ("... cached loop stopped: KV cache full")
+    does not fit beside the engine: the line says "KV cache full" whole, not "... KV cache"."""
+    app = HeaderApp()
+    full = "running · uncached 297, cached 293 of 600 · cached loop stopped: KV cache full"
+    async with app.run_test(size=(80, 3)) as pilot:
+        header = app.query_one(RunHeader)
+        header.show(
+            "CPU, no GPU: NVML library not found (libnvidia-ml.so.1)",
+            "tiny",
+            "tiny-austen, cpu, fp32, 1 thread",
+            "running",
+            full,
+            device_label="CPU, no GPU",
+            status_short="running · uncached 297, cached 293 of 600 · KV cache full",
+        )
+        await pilot.pause()
+        line = str(header.render())
+    assert line == "▶ running · uncached 297, cached 293 of 600 · KV cache full  │  tiny"
