@@ -107,3 +107,22 @@ def test_stopping_the_server_ends_every_session(new_tab):
     assert code == 0, server.output()
     wait_for(tab.session_ended, 15, 'the page to say "Session ended."')
     wait_for(lambda: not server.sessions(), 15, "the app and its engine to end")
+
+
+def test_presenter_mode_steps_through_the_lesson_on_the_live_model_in_a_tab(new_tab):
+    """`kvtui serve --present --lesson` on the shipped model, decoding in the served app's own
+    engine: the title while the run goes, then space by space the first node, its cache picture
+    (every row recomputed, the newest query reading every key) and its first figure."""
+    server = start_server("--present", "--lesson", "--engine", "tiny", "--max-sessions", "1")
+    try:
+        tab = new_tab(server.url).open()
+        tab.wait_for_text("why LLM decoding needs a KV cache", "done · step 24/24", timeout=90)
+        tab.press("Space")
+        text = tab.wait_for_text("1 · Without a cache", "No cache: all 24 rows again")
+        assert "q 23 reads 24 keys" in text and "PER STEP" not in text  # one idea at a time
+        tab.press("Space")
+        tab.wait_for_text("PER STEP", "measured: positions at step 24")
+        tab.press("q")
+        wait_for(tab.session_ended, 15, 'the page to say "Session ended."')
+    finally:
+        server.stop()
