@@ -349,7 +349,7 @@ def _warm_up(progress: Callable[[str], None]) -> None:
 FLUSH_SECONDS = 1 / 30
 """The longest a step's event waits in the engine before it is sent to the app (which draws 10
 times a second). Each step's line flushed on its own woke the app a thousand times a second on the
-tiny model, and the engine, woken back, changed cores: its cached steps ran 6-10% slower."""
+tiny model, and the engine, woken back, changed cores: its cached steps ran 7-12% slower."""
 
 
 class EventWriter:

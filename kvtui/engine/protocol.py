@@ -574,10 +574,11 @@ Schedule = Literal["fair", "sequential"]
 
 TURN_SECONDS = 0.05
 """Under the fair schedule, the measured step time a loop spends before the other may take the
-engine. A step that runs right after the other loop's has it caches evicted: turns of one step
-made the tiny model's cached steps 1.6x slower for the first after an uncached one, 1.2x on
-average over a run, which measured the sharing, not the loop. A twentieth of a second keeps both
-streams moving in every frame the app draws (10 a second)."""
+engine. A step that runs right after the other loop's has its caches evicted: in turns of one
+step, the tiny model's first cached step after an uncached one took 1.6-1.9x its warm time, and
+the cached loop ran 1.1-1.2x slower over a run (benchmarks/sharing_cost.py), which measured the
+sharing, not the loop. A twentieth of a second keeps both streams moving in every frame the app
+draws (10 a second)."""
 
 
 def run_events(

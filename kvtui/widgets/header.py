@@ -49,9 +49,8 @@ class RunHeader(Widget):
         for name in ("running", "paused", "done", "failed", "stopped", "starting"):
             self.set_class(name == state, f"-{name}")
         mark = MARKS.get(state, "… ")
-        brief_status = mark + (status_short or status)
         parts = (mark + status, engine, model, device, device_label, engine_short or engine)
-        parts += (brief_status,)
+        parts += (mark + (status_short or status),)
         if parts != self._parts:  # a redraw that changed nothing repaints nothing
             self._parts = parts
             self.refresh()
