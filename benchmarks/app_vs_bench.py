@@ -296,6 +296,14 @@ def _size(text: str) -> tuple[int, int]:
     return int(width), int(height)
 
 
+def _middle_half(values: list[float]) -> list[float]:
+    """The first and third quartiles of `values` (the one value twice, where there is one)."""
+    if len(values) < 2:
+        return values * 2
+    first, _, third = statistics.quantiles(values, n=4)
+    return [first, third]
+
+
 def _median(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return statistics.median(kept) if kept else None
@@ -323,23 +331,20 @@ def measure(args: argparse.Namespace) -> dict:
                     app = app_run(args.tokens, _size(size), cached_only, 600.0)
                     if app["tokens_per_s"] and headless["tokens_per_s"]:
                         app["of_headless"] = app["tokens_per_s"] / headless["tokens_per_s"]
-                    runs["headless"].append(headless)
+                    runs["headless"].append(headless | {"of_headless": 1.0})
                     runs.setdefault(key, []).append(app)
         decode = {}
         for key, results in runs.items():
-            ratios = sorted(r["of_headless"] for r in results if r.get("of_headless"))
-            quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            ratios = [r["of_headless"] for r in results if r.get("of_headless")]
             decode[key] = {
                 "tokens_per_s": _median([r["tokens_per_s"] for r in results]),
                 "of_headless": statistics.median(ratios) if ratios else None,
-                "of_headless_middle_half": [quartiles[0], quartiles[-1]] if ratios else None,
+                "of_headless_middle_half": _middle_half(ratios) if ratios else None,
                 "step_ms_p50": _median([r["step_ms_p50"] for r in results]),
                 "step_ms_p99": _median([r["step_ms_p99"] for r in results]),
                 "ui_cores": _median([r.get("ui_cores_decoding") for r in results]),
                 "runs": results,
             }
-            if key == "headless":
-                decode[key]["of_headless"] = 1.0
         report["decode"] = {"tokens": args.tokens, "goal": GOAL, "paths": decode}
     if "idle" in only:
         report["idle"] = idle_cpu(_size(args.sizes[0]), args.idle_seconds)

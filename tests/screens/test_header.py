@@ -10,6 +10,7 @@ from kvtui.widgets.header import RunHeader
 # A description whose prose does not split where the label ends.
 DESCRIPTION = "NVIDIA H100 80GB HBM3: MIG 1g.10gb · 9.8 GiB"
 LABEL = "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+NO_GPU = "CPU, no GPU: NVML library not found (libnvidia-ml.so.1)"
 
 
 class HeaderApp(App):
@@ -17,30 +18,32 @@ class HeaderApp(App):
         yield RunHeader()
 
 
-async def _shown(width: int, device_label: str) -> str:
+async def _shown(
+    width: int, device: str, engine: str, model: str, status: str, **names: str
+) -> str:
+    """The header's line at `width` columns, showing a running run."""
     app = HeaderApp()
     async with app.run_test(size=(width, 3)) as pilot:
         header = app.query_one(RunHeader)
-        header.show(
-            DESCRIPTION,
-            "sim:llama-3.1-8b@h100",
-            "bf16",
-            "running",
-            "step 3/32",
-            device_label=device_label,
-        )
+        header.show(device, engine, model, "running", status, **names)
         await pilot.pause()
         return str(header.render())
 
 
+async def _shown_sim(width: int, device_label: str) -> str:
+    return await _shown(
+        width, DESCRIPTION, "sim:llama-3.1-8b@h100", "bf16", "step 3/32", device_label=device_label
+    )
+
+
 async def test_narrow_header_shows_the_label():
     # 86 columns (84 inside the padding) hold the label's 82, not the description's 89.
-    line = await _shown(86, device_label=LABEL)
+    line = await _shown_sim(86, device_label=LABEL)
     assert line == f"▶ step 3/32  │  sim:llama-3.1-8b@h100 (bf16)  │  {LABEL}"
 
 
 async def test_wide_header_shows_the_description_in_full():
-    assert (await _shown(160, device_label=LABEL)).endswith(DESCRIPTION)
+    assert (await _shown_sim(160, device_label=LABEL)).endswith(DESCRIPTION)
 
 
 def test_the_null_probe_label_is_what_the_prose_used_to_be_cut_to():
@@ -52,38 +55,27 @@ def test_the_null_probe_label_is_what_the_prose_used_to_be_cut_to():
 async def test_a_header_too_narrow_for_the_device_leaves_it_out_rather_than_cut_it():
     """At 80 columns a running sim: run's status and engine leave no room for the device: the
     line ends with the engine, not with the device cut mid-word ("CPU, no")."""
-    app = HeaderApp()
-    async with app.run_test(size=(80, 3)) as pilot:
-        header = app.query_one(RunHeader)
-        header.show(
-            "CPU, no GPU: NVML library not found (libnvidia-ml.so.1)",
-            "sim:llama-3.1-70b@4xh100",
-            "bf16",
-            "running",
-            "running · uncached 202, cached 225 of 256",
-            device_label="CPU, no GPU",
-        )
-        await pilot.pause()
-        line = str(header.render())
+    line = await _shown(
+        80,
+        NO_GPU,
+        "sim:llama-3.1-70b@4xh100",
+        "bf16",
+        "running · uncached 202, cached 225 of 256",
+        device_label="CPU, no GPU",
+    )
     assert line == "▶ running · uncached 202, cached 225 of 256  │  sim:llama-3.1-70b@4xh100"
 
 
 async def test_a_status_too_long_for_the_line_is_said_in_fewer_words_not_cut():
     """At 80 columns a stopped cached loop's status ("... cached loop stopped: KV cache full")
     does not fit beside the engine: the line says "KV cache full" whole, not "... KV cache"."""
-    app = HeaderApp()
-    full = "running · uncached 297, cached 293 of 600 · cached loop stopped: KV cache full"
-    async with app.run_test(size=(80, 3)) as pilot:
-        header = app.query_one(RunHeader)
-        header.show(
-            "CPU, no GPU: NVML library not found (libnvidia-ml.so.1)",
-            "tiny",
-            "tiny-austen, cpu, fp32, 1 thread",
-            "running",
-            full,
-            device_label="CPU, no GPU",
-            status_short="running · uncached 297, cached 293 of 600 · KV cache full",
-        )
-        await pilot.pause()
-        line = str(header.render())
+    line = await _shown(
+        80,
+        NO_GPU,
+        "tiny",
+        "tiny-austen, cpu, fp32, 1 thread",
+        "running · uncached 297, cached 293 of 600 · cached loop stopped: KV cache full",
+        device_label="CPU, no GPU",
+        status_short="running · uncached 297, cached 293 of 600 · KV cache full",
+    )
     assert line == "▶ running · uncached 297, cached 293 of 600 · KV cache full  │  tiny"
