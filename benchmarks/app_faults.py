@@ -29,8 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 SIZE = (100, 30)
-ENGINE_MARK = "from kvtui.engine.process import child_main"
-"""In the engine's command line (kvtui.engine.process's bootstrap): how its processes are found."""
+ENGINE_MARK = "from kvtui.run.process import child_main"
+"""In the engine's command line (kvtui.run.process's bootstrap): how its processes are found."""
 PANE_FLAGS = {
     "alternate_on": "0",
     "cursor_flag": "1",

@@ -193,7 +193,7 @@ def app_run(tokens: int, size: tuple[int, int], cached_only: bool, timeout: floa
 def _app_child(args: argparse.Namespace) -> int:
     """Inside the pane: run the app for real until the run is done, then write its figures."""
     from kvtui.app import make_app
-    from kvtui.engine.protocol import RunSettings
+    from kvtui.engines.protocol import RunSettings
 
     loops = ("cached",) if args.cached_only else ("uncached", "cached")
     settings = RunSettings(engine="tiny", device="cpu", threads=1, tokens=args.tokens, loops=loops)

@@ -3,7 +3,7 @@ Not a test.
 
 The engine keeps one layer's queries and keys during a step (a reference, no copy) and reads the
 newest query's attention from them after the step's timing, at most 15 steps a second
-(kvtui.engine.attention). This runs the shipped model's cached loop (`tiny`, cpu, one torch
+(kvtui.engines.attention). This runs the shipped model's cached loop (`tiny`, cpu, one torch
 thread) in one process, alternating three settings `--repeats` times:
 
 - off: nothing kept, nothing read (`attention_per_second = 0`);
@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from th
 
 import torch  # noqa: E402
 
-from kvtui.engine.attention import ATTENTION_PER_SECOND  # noqa: E402
-from kvtui.engine.protocol import RunSettings, StepSample, run_events  # noqa: E402
-from kvtui.engine.spec import open_engine  # noqa: E402
+from kvtui.engines.attention import ATTENTION_PER_SECOND  # noqa: E402
+from kvtui.engines.factory import open_engine  # noqa: E402
+from kvtui.engines.protocol import RunSettings, StepSample, run_events  # noqa: E402
 
 SETTINGS = {"off": 0.0, "on": ATTENTION_PER_SECOND, "every step": math.inf}
 

@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.engine.bench import run_sweep  # noqa: E402
-from kvtui.engine.protocol import RunSettings  # noqa: E402
+from kvtui.engines.protocol import RunSettings  # noqa: E402
 from kvtui.format import format_bytes  # noqa: E402
+from kvtui.reports.bench import run_sweep  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

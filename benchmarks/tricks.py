@@ -2,7 +2,7 @@
 and their cost in quality on the WHOLE held-out Austen split (the tests and `kvtui tricks` score
 a fixed slice of it), and a window's cost by position, past the model's 4,096 positions.
 
-1. The table (kvtui.engine.table.run_table, as `kvtui tricks` prints it): under one 1 MiB KV pool,
+1. The table (kvtui.reports.tricks.run_table, as `kvtui tricks` prints it): under one 1 MiB KV pool,
    each trick's bytes per token (measured from the cache's tensors and by the formula), where the
    pool stopped it against its own C - P + 1, its quality on 1,024 held-out bytes, its speed.
 2. Teacher-forced over the held-out split (the last 5% of each novel, 201,483 bytes, cut into
@@ -40,17 +40,18 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.engine.protocol import RunSettings  # noqa: E402
-from kvtui.engine.quality import (  # noqa: E402
+from kvtui.engines.protocol import RunSettings  # noqa: E402
+from kvtui.engines.quality import (  # noqa: E402
     forced_logits,
     greedy_tokens_of,
     nats_by_position,
     shared_prefix_logits,
     step_ms_in_turns,
 )
-from kvtui.engine.table import format_tricks, run_table, table_header  # noqa: E402
 from kvtui.gpu.load import load_tiny, ready_to_decode  # noqa: E402
 from kvtui.gpu.tricks import average_kv_heads  # noqa: E402
+from kvtui.reports.table import run_table, table_header
+from kvtui.reports.tricks import format_tricks
 from kvtui.sim.tricks import KVLayout  # noqa: E402
 from kvtui.training.corpus import austen_novels, train_val_split  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The kvtui App: three lesson screens as modes, app-wide keys, and the engine's reader worker.
 
-The decode engine runs in a process of its own (`kvtui.engine.process.EngineProcess`, isolated
+The decode engine runs in a process of its own (`kvtui.run.process.EngineProcess`, isolated
 from the caller's directory), so the UI process never imports torch and a busy UI cannot slow
 the steps it measures. A thread worker reads the engine's events and posts them back in batches,
 at most RUN_UPDATES_PER_SECOND a second (the one throttle between the engine and the screen); the
@@ -41,13 +41,13 @@ from textual.theme import ThemeProvider
 from textual.widget import AwaitMount
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from kvtui.engine.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
-from kvtui.engine.spec import parse_engine
+from kvtui.engines.factory import parse_engine
+from kvtui.engines.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.format import safe_text
 from kvtui.options import THEMES, UsageError
+from kvtui.run.live import RUN_UPDATES_PER_SECOND, LiveRun
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
-from kvtui.screens.live import RUN_UPDATES_PER_SECOND, LiveRun
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.present import PresentScreen
 from kvtui.screens.recompute import RecomputeScreen
@@ -59,7 +59,7 @@ from kvtui.terminal import CommandPalette, DriverError, checked_driver
 if TYPE_CHECKING:
     from textual.timer import Timer
 
-    from kvtui.engine.load import LoadProcess
+    from kvtui.run.process import LoadProcess
 
 LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 """The batches screen 3's n steps through (`--batch` takes any up to 256)."""
@@ -72,7 +72,7 @@ POST_INTERVAL_S = 1 / RUN_UPDATES_PER_SECOND
 
 
 class EngineHandle(Protocol):
-    """The app's handle on a running engine (`kvtui.engine.process.EngineProcess` is one)."""
+    """The app's handle on a running engine (`kvtui.run.process.EngineProcess` is one)."""
 
     def start(self) -> None: ...
     def events(self) -> Iterator[Event]: ...
@@ -88,8 +88,8 @@ EngineFactory = Callable[[RunSettings], EngineHandle]
 
 
 def engine_process(settings: RunSettings) -> EngineHandle:
-    """The real engine: a child process running `python -m kvtui.engine.process`."""
-    from kvtui.engine.process import EngineProcess
+    """The real engine: a child process running `python -m kvtui.engines.child`."""
+    from kvtui.run.process import EngineProcess
 
     return EngineProcess(settings)
 
@@ -97,15 +97,15 @@ def engine_process(settings: RunSettings) -> EngineHandle:
 @runtime_checkable
 class Readies(Protocol):
     """An engine factory that can get the next run's engine ready between runs, and must be
-    closed (`kvtui.engine.process.Engines`: a spare child with torch imported)."""
+    closed (`kvtui.run.process.Engines`: a spare child with torch imported)."""
 
     def prepare(self, settings: RunSettings) -> None: ...
     def close(self) -> None: ...
 
 
 def table_process(settings: RunSettings) -> Any:
-    """Screen 4's table, measured in a child process of its own (kvtui.engine.table)."""
-    from kvtui.engine.table import TableProcess
+    """Screen 4's table, measured in a child process of its own (kvtui.reports.tricks)."""
+    from kvtui.reports.table import TableProcess
 
     return TableProcess(settings)
 
@@ -250,12 +250,12 @@ class KVApp(App[int]):
             return isinstance(message, KVApp.RunChanged)
 
     def __init__(self, config: AppConfig, engine_factory: EngineFactory | None = None) -> None:
-        """`engine_factory` makes each run's engine (default: `kvtui.engine.process.Engines`, a
+        """`engine_factory` makes each run's engine (default: `kvtui.run.process.Engines`, a
         child process each, with a spare started between runs)."""
         super().__init__()
         self.config = config
         if engine_factory is None:
-            from kvtui.engine.process import Engines  # subprocess and friends: not before now
+            from kvtui.run.process import Engines  # subprocess and friends: not before now
 
             engine_factory = Engines()
         self._engine_factory = engine_factory
@@ -282,7 +282,7 @@ class KVApp(App[int]):
         if config.autostart:  # the engine gets ready while the app draws its first frame
             self._ready_next()
         self._load: LoadProcess | None = None
-        """The load `f` put on a vllm: run's server, while it runs (kvtui.engine.load)."""
+        """The load `f` put on a vllm: run's server, while it runs (kvtui.engines.vllm.load)."""
         self._load_timer: Timer | None = None
 
     # --- the terminal (kvtui.terminal guards what Textual does not survive) -------------------
@@ -558,8 +558,10 @@ class KVApp(App[int]):
 
     def action_fill(self) -> None:
         """Screen 3 with vllm:: put a load on the server that asks for twice its KV cache
-        (kvtui.engine.load.fill_plan), in a `kvtui load` process of its own; once at a time."""
-        from kvtui.engine.load import LoadProcess, fill_plan
+        (kvtui.engines.vllm.load.fill_plan), in a `kvtui load` process of its own; once at a
+        time."""
+        from kvtui.engines.vllm.load import fill_plan
+        from kvtui.run.process import LoadProcess
 
         server, url = self.live.server, parse_engine(self.live.settings.engine).url
         latest = server.latest if server is not None else None

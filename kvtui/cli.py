@@ -2,8 +2,8 @@
 
 `kvtui` alone opens the Textual app (imported only then); `kvtui bench` runs both loops headless;
 `kvtui serve` serves the app in a browser (kvtui.serve); `kvtui work`, `budget`, `models` and
-`gpus` print the simulator's figures (kvtui.reports); `kvtui export-hf` and `kvtui load` are for
-watching a real vLLM server (kvtui.served). The options and their types live in
+`gpus` print the simulator's figures (kvtui.reports.sim); `kvtui export-hf` and `kvtui load` are for
+watching a real vLLM server (kvtui.reports.served). The options and their types live in
 kvtui.options. Bad input is one line on stderr and exit status 2, never a traceback; stdout that
 closes or fills is said once. Importing this module stays cheap: no torch, no textual.
 
@@ -24,10 +24,8 @@ from dataclasses import replace
 from typing import Any
 
 from kvtui import __version__
-from kvtui.engine.protocol import (
-    DEFAULT_PROMPT,
-    EngineError,
-)
+from kvtui.engines.protocol import DEFAULT_PROMPT
+from kvtui.errors import EngineError
 from kvtui.format import (
     safe_text,
 )
@@ -44,8 +42,8 @@ from kvtui.options import (
     settings_from_args,
 )
 from kvtui.paths import HELDOUT_BYTES
-from kvtui.reports import add_budget, add_gpus, add_models, add_work, print_json
-from kvtui.served import add_export_hf, add_load
+from kvtui.reports.served import add_export_hf, add_load
+from kvtui.reports.sim import add_budget, add_gpus, add_models, add_work, print_json
 from kvtui.sim.catalog import (
     ConfigError,
     UnknownNameError,
@@ -59,7 +57,7 @@ EXIT_INTERRUPTED = 130
 
 def cmd_app(args: argparse.Namespace) -> int:
     """`kvtui` with no subcommand: open the Textual app (imported only now)."""
-    from kvtui.engine.spec import check_engine
+    from kvtui.engines.factory import check_engine
 
     settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
     try:
@@ -90,7 +88,7 @@ def has_terminal() -> bool:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Both loops on one prompt, measured; a table, or `--json`. `--batch` with several sizes
     runs one bench per size: a line each, or `{"sweep": [summary, ...]}`."""
-    from kvtui.engine.bench import format_sweep, format_table, run_bench, run_sweep
+    from kvtui.reports.bench import format_sweep, format_table, run_bench, run_sweep
 
     batches = args.batches
     settings = settings_from_args(args, default_tokens=256)
@@ -162,8 +160,9 @@ def _add_bench(subparsers: Any) -> None:
 def cmd_tricks(args: argparse.Namespace) -> int:
     """Every trick that stretches the KV cache, run on one model under one budget: a table, or
     `--json`."""
-    from kvtui.engine.protocol import RunSettings
-    from kvtui.engine.table import TABLE_TOKENS, format_tricks, run_table, table_header
+    from kvtui.engines.protocol import RunSettings
+    from kvtui.reports.table import TABLE_TOKENS, run_table, table_header
+    from kvtui.reports.tricks import format_tricks
 
     settings = RunSettings(
         engine=args.engine,

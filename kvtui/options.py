@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
-from kvtui.engine.protocol import (
+from kvtui.engines.protocol import (
     DEFAULT_PROMPT,
     LOOPS,
     MAX_RUN_BATCH,

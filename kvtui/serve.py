@@ -36,10 +36,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtui.engine.process import CHILD_CWD, absolute_paths
-from kvtui.engine.protocol import EngineError, RunSettings
+from kvtui.engines.protocol import RunSettings
+from kvtui.errors import EngineError
 from kvtui.format import error_line, safe_text
 from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, positive_int
+from kvtui.run.process import CHILD_CWD, absolute_paths
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -549,7 +550,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import textual_serve.server  # noqa: F401
     except ImportError:
         raise UsageError(f"kvtui serve: needs textual-serve: {INSTALL_HINT}") from None
-    from kvtui.engine.spec import check_engine
+    from kvtui.engines.factory import check_engine
     from kvtui.options import settings_from_args
 
     try:

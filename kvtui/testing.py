@@ -48,9 +48,9 @@ from textual.notifications import Notify
 from textual.pilot import Pilot
 
 from kvtui.app import EngineFactory, EngineHandle, KVApp, make_app
-from kvtui.engine.protocol import Event, RunFailed, RunSettings, StepSource, run_events
-from kvtui.engine.spec import open_engine, parse_engine
-from kvtui.engine.table import InProcessTable
+from kvtui.engines.factory import open_engine, parse_engine
+from kvtui.engines.protocol import Event, RunFailed, RunSettings, StepSource, run_events
+from kvtui.reports.table import InProcessTable
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.tricks import TableFactory
 from kvtui.widgets.cards import StatCard
@@ -163,10 +163,10 @@ class ScriptedEngine:
     @classmethod
     def from_settings(cls, settings: RunSettings, **hooks: Any) -> ScriptedEngine:
         """The engine `settings.engine` names, run in this process: `sim:MODEL@GPU` (modelled
-        steps) or `replay:FILE` (a recorded run), through `kvtui.engine.protocol.run_events` as
+        steps) or `replay:FILE` (a recorded run), through `kvtui.engines.protocol.run_events` as
         the engine's own process would, but with `replay_speed` 0 (as fast as it can, not at the
         recorded or modelled pace). ValueError for a torch engine (see `refuse_torch`);
-        `kvtui.engine.protocol.EngineError` (a ValueError) for settings the engine refuses.
+        `kvtui.engines.protocol.EngineError` (a ValueError) for settings the engine refuses.
         `hooks` are the constructor's (`hold_at`, `fail_start`)."""
         refuse_torch(settings)
         fast = replace(settings, replay_speed=0)
@@ -182,7 +182,7 @@ class ScriptedEngine:
         can, as the `replay:FILE` engine plays it in the app. The record is read and checked now:
         `EngineError` (a ValueError) with one line if it is not one. What ran is what was
         recorded; `settings` give only the engine's name in the app (default `replay:PATH`)."""
-        from kvtui.engine.replay import ReplayEngine
+        from kvtui.engines.replay import ReplayEngine
 
         path = Path(path)
         asked = replace(settings or RunSettings(), engine=f"replay:{path}", replay_speed=0)

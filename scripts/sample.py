@@ -19,8 +19,8 @@ import re
 
 import torch
 
-from kvtui.engine.loops import Sampling, encode_text, generate
-from kvtui.engine.protocol import DEFAULT_PROMPT
+from kvtui.engines.loops import Sampling, encode_text, generate
+from kvtui.engines.protocol import DEFAULT_PROMPT
 from kvtui.gpu.load import load_tiny
 from kvtui.text import decode_bytes
 from kvtui.training.corpus import austen_novels, train_val_split

@@ -13,7 +13,7 @@ import asyncio
 from pathlib import Path
 
 from kvtui.app import make_app
-from kvtui.engine.protocol import RunSettings
+from kvtui.engines.protocol import RunSettings
 
 
 async def shoot_tricks(settings: RunSettings, size: tuple[int, int], out: Path) -> None:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from kvtui.app import make_app
-from kvtui.engine.protocol import RunSettings
+from kvtui.engines.protocol import RunSettings
 from kvtui.testing import NO_GPU_PROBE, screen_text
 
 

@@ -28,9 +28,9 @@ from typing import Any
 from hypothesis import strategies as st
 
 from kvtui.cli import main
-from kvtui.engine.protocol import RunSettings, run_events, to_json
-from kvtui.engine.replay import FORMAT, VERSION
-from kvtui.engine.spec import open_engine
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import RunSettings, run_events, to_json
+from kvtui.engines.replay import FORMAT, VERSION
 from tests.test_hostile_inputs import outcome
 
 SIM = RunSettings(engine="sim:gpt2@t4", tokens=3, replay_speed=0)
@@ -103,7 +103,7 @@ def record_numbers(draw: Any) -> bytes:
 def try_record_in_app(directory: Path, data: bytes, read_output: Any) -> str:
     """A record replayed in the app (headless, screen 3, then 1, 2 and help): "shown", or
     refused before the app opens ("exit 2"), or what went wrong."""
-    from kvtui.engine.protocol import EngineError
+    from kvtui.errors import EngineError
     from kvtui.testing import ScriptedEngine, headless
 
     path = directory / "run.jsonl"
@@ -251,7 +251,7 @@ _FOLDER_CACHE: dict[str, Path] = {}
 def base_model(scratch: Path) -> Path:
     """A small random Llama saved with its tokenizer (built once per process)."""
     if "llama" not in _FOLDER_CACHE:
-        from tests.engine.test_hf import build_model, build_tokenizer
+        from tests.engines.test_hf import build_model, build_tokenizer
 
         tokenizer = build_tokenizer()
         directory = scratch / "base-llama"

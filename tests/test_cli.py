@@ -423,7 +423,7 @@ def test_format_helpers():
         format_seconds,
         format_tick,
     )
-    from kvtui.reports import _article
+    from kvtui.reports.sim import _article
 
     assert format_bytes(25_165_824_000) == "23.4 GiB"
     assert format_bytes(80 * 2**30) == "80 GiB"
@@ -517,10 +517,10 @@ def test_a_shape_this_machine_cannot_hold_is_refused_before_the_app_opens(capsys
     """`kvtui --engine shape:llama-3.1-8b` on a laptop: one line, exit 2, naming the shapes
     that fit in its free memory, before any app (or torch) starts; one that fits passes on (to
     the terminal check, here)."""
-    import kvtui.engine.spec
+    import kvtui.engines.factory
 
     monkeypatch.setattr(
-        kvtui.engine.spec, "free_memory", lambda s: (2 << 30, "free host RAM", False)
+        kvtui.engines.factory, "free_memory", lambda s: (2 << 30, "free host RAM", False)
     )
     code = main(["--engine", "shape:llama-3.1-8b"])
     _, err = capsys.readouterr()

@@ -21,12 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvtui.engine.replay as replay_module
+import kvtui.engines.replay as replay_module
 import kvtui.sim.hf_config as hf_config_module
 from kvtui.cli import main
-from kvtui.engine.protocol import RunSettings, run_events, to_json
-from kvtui.engine.replay import FORMAT, VERSION
-from kvtui.engine.spec import open_engine
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import RunSettings, run_events, to_json
+from kvtui.engines.replay import FORMAT, VERSION
 
 SIM = RunSettings(engine="sim:gpt2@t4", tokens=3, replay_speed=0)
 
@@ -343,29 +343,29 @@ def test_numbers_at_the_edges(capsys, monkeypatch, argv, says):
 
 def test_too_many_tokens_for_the_tiny_model_is_refused_before_it_loads(capsys, monkeypatch):
     pytest.importorskip("torch")
-    import kvtui.engine.torch_engine
+    import kvtui.engines.torch_engine
 
     def load(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    from kvtui.engine import spec
+    from kvtui.engines import factory as spec
     from kvtui.gpu.model import ModelArgs
 
     # The torch-free check falls back on the engine's default where the file is missing.
     assert ModelArgs().max_positions == spec.TINY_POSITIONS
-    monkeypatch.setattr(kvtui.engine.torch_engine, "open_torch_engine", load)
+    monkeypatch.setattr(kvtui.engines.torch_engine, "open_torch_engine", load)
     err = refused(capsys, "bench", "--tokens", "5000")
     assert "5,044 positions, past tiny-austen's 4,096; ask for at most 4,052 tokens" in err
     assert "past tiny-austen's" in app_refuses(capsys, monkeypatch, "--tokens", "5000")
 
 
 def test_cuda_where_there_is_none_is_refused_before_the_app_opens(capsys, monkeypatch):
-    import kvtui.engine.spec
+    import kvtui.engines.factory
 
-    cuda_visible = kvtui.engine.spec.cuda_visible
+    cuda_visible = kvtui.engines.factory.cuda_visible
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hides every GPU, from torch too
     assert cuda_visible() is False
-    monkeypatch.setattr(kvtui.engine.spec, "cuda_visible", lambda: False)
+    monkeypatch.setattr(kvtui.engines.factory, "cuda_visible", lambda: False)
     assert "shows no CUDA device" in app_refuses(capsys, monkeypatch, "--device", "cuda")
     assert "shows no CUDA device" in refused(capsys, "bench", "--device", "cuda")
 
@@ -633,7 +633,7 @@ def test_a_record_never_holds_a_number_json_does_not(tmp_path, capsys, monkeypat
     (which kvtui itself, and every strict JSON reader, would then refuse to read)."""
     import math
 
-    import kvtui.engine.bench as bench
+    import kvtui.reports.bench as bench
 
     def nan_steps(settings):
         engine = open_engine(settings)

@@ -31,12 +31,13 @@ LAYERS = {
         {"torch", "textual", "pynvml"},
     ),
     "the engine protocol, names, process, roofline, replay and bench": (
-        "import kvtui.engine.protocol, kvtui.engine.spec, kvtui.engine.process, "
-        "kvtui.engine.roofline, kvtui.engine.replay, kvtui.engine.bench",
+        "import kvtui.engines.protocol, kvtui.engines.factory, kvtui.run.process, "
+        "kvtui.engines.roofline, kvtui.engines.replay, kvtui.reports.bench",
         {"torch", "textual", "pynvml"},
     ),
     "the torch engines, the decoder and training": (
-        "import kvtui.engine.torch_engine, kvtui.engine.hf, kvtui.gpu.model, kvtui.training.train",
+        "import kvtui.engines.torch_engine, kvtui.engines.hf, kvtui.gpu.model, "
+        "kvtui.training.train",
         {"textual", "transformers"},
     ),
     "the device probe": ("import kvtui.gpu.probe", {"torch", "textual", "pynvml"}),
@@ -46,7 +47,7 @@ LAYERS = {
     ),
     "the headless test kit, running a sim: engine in its own process": (
         "import kvtui.testing\n"
-        "from kvtui.engine.protocol import RunSettings\n"
+        "from kvtui.engines.protocol import RunSettings\n"
         "engine = kvtui.testing.ScriptedEngine.from_settings("
         "RunSettings(engine='sim:llama-3.1-8b@h100', tokens=8, lesson=True))\n"
         "engine.start(); assert len(list(engine.events())) == 1 + 2 * 8 + 2",

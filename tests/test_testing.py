@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvtui.cli import main
-from kvtui.engine.protocol import RunFailed, RunFinished, RunSettings, StepSample, run_events
-from kvtui.engine.spec import open_engine
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import RunFailed, RunFinished, RunSettings, StepSample, run_events
 from kvtui.format import format_int, format_ratio
 from kvtui.sim.work import cached_cumulative, naive_cumulative
 from kvtui.testing import ScriptedEngine, headless, refuse_torch

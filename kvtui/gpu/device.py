@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtui.engine.protocol import EngineError
+from kvtui.errors import EngineError
 from kvtui.gpu.host import host_room
 from kvtui.gpu.probe import open_probe
 from kvtui.sim.catalog import compute_dtype, match_gpu, normalize_dtype

@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from kvtui.engine.protocol import EngineError
+from kvtui.errors import EngineError
 from kvtui.gpu.model import ModelArgs
 from kvtui.paths import TINY_NAME, TINY_WEIGHTS, asset_path
 

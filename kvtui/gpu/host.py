@@ -1,7 +1,7 @@
 """The memory this process may take on its host, torch-free: the free RAM, and the limits a
 container or a shell sets below it (cgroup v2 and v1, `ulimit -v`). Read by the torch engines'
 pre-checks (kvtui.gpu.device.available_bytes) and by the check before an app opens
-(kvtui.engine.spec.free_memory) alike."""
+(kvtui.engines.factory.free_memory) alike."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import resource
 from pathlib import Path
 
-from kvtui.engine.protocol import EngineError
+from kvtui.errors import EngineError
 
 PROC = Path("/proc")
 CGROUP = Path("/sys/fs/cgroup")

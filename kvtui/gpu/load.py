@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from safetensors import safe_open
 
-from kvtui.engine.protocol import EngineError
+from kvtui.errors import EngineError
 from kvtui.format import format_bytes
 from kvtui.gpu.device import available_bytes, out_of_memory
 from kvtui.gpu.model import ModelArgs, Transformer
@@ -119,7 +119,7 @@ def build_shape(
 ) -> Transformer:
     """Random weights in a catalog model's shape; `EngineError`, before allocating, if too big
     (the weights and the KV cache of `batch` sequences of `context` tokens)."""
-    from kvtui.engine.spec import shape_bytes  # the CLI's check before an app opens, too
+    from kvtui.sim.memory import shape_bytes
 
     args = args_for_shape(spec)
     need, what = shape_bytes(spec, context, batch, gpu=device.type == "cuda")

@@ -14,9 +14,9 @@ from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import Static
 
-from kvtui.engine.protocol import RunSettings
+from kvtui.engines.protocol import RunSettings
 from kvtui.format import format_count
-from kvtui.screens.live import LiveRun
+from kvtui.run.live import LiveRun
 from kvtui.widgets.chart import Chart
 from kvtui.widgets.footer import KeysFooter
 from kvtui.widgets.header import RunHeader
@@ -33,7 +33,7 @@ class LessonScreen(Screen):
     Subclasses implement `compose_body` and `redraw`, and may follow the run in `follow_run`.
     The screen follows the App's `run` (bound with `data_bind`): each new snapshot is followed,
     then drawn, once, if this screen is the one shown (else when it is shown next), so the rate
-    of redraws is the rate the run changes at (kvtui.screens.live.RUN_UPDATES_PER_SECOND), and a
+    of redraws is the rate the run changes at (kvtui.run.live.RUN_UPDATES_PER_SECOND), and a
     paused app draws nothing. `redraw` only reads: it changes no state. A key that changes a
     line calls `hold_redraws`, so that its frame is not also the frame of a redraw.
     """

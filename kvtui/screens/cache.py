@@ -10,14 +10,14 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import var
 from textual_plotext.plot import Plot
 
-from kvtui.engine.protocol import EngineError
-from kvtui.engine.spec import parse_engine
+from kvtui.engines.factory import parse_engine
+from kvtui.errors import EngineError
 from kvtui.format import format_int, format_ratio, format_seconds, format_tick
+from kvtui.run.live import CachePicture, LoopTrace
 from kvtui.screens.base import WorkScreen
-from kvtui.screens.live import LoopTrace
 from kvtui.sim.catalog import UnknownNameError, get_gpu, get_model
 from kvtui.sim.work import compute_bound_positions
-from kvtui.widgets.cache_grid import CacheGrid, CachePicture
+from kvtui.widgets.cache_grid import CacheGrid
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, downsample, fitting_ticks, nice_ticks
 from kvtui.widgets.note import Note

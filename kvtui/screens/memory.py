@@ -18,8 +18,8 @@ from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
-from kvtui.engine.protocol import EngineError
-from kvtui.engine.spec import parse_engine
+from kvtui.engines.factory import parse_engine
+from kvtui.errors import EngineError
 from kvtui.format import (
     format_bandwidth,
     format_bytes,
@@ -30,8 +30,8 @@ from kvtui.format import (
     format_tick,
     safe_text,
 )
+from kvtui.run.live import LivePool, LiveRun
 from kvtui.screens.base import LessonScreen
-from kvtui.screens.live import LivePool, LiveRun
 from kvtui.sim.budget import LESSON_BUDGET, Budget, budget, vram_split
 from kvtui.sim.catalog import (
     GIB,

@@ -20,11 +20,11 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import var
 from textual.widgets import Digits, Static
 
-from kvtui.engine.protocol import Loop
+from kvtui.engines.protocol import Loop
 from kvtui.format import format_bytes, format_count, format_digits, format_percent, format_ratio
+from kvtui.run.live import CachePicture, LiveRun
 from kvtui.screens.base import LessonScreen
-from kvtui.screens.live import LiveRun
-from kvtui.widgets.cache_grid import CacheGrid, CachePicture
+from kvtui.widgets.cache_grid import CacheGrid
 from kvtui.widgets.note import Note
 from kvtui.widgets.plain import plain
 

@@ -11,9 +11,10 @@ from textual.widgets import Static
 from textual_plotext.plot import Plot
 
 from kvtui.format import format_count, format_int, format_percent, format_seconds, format_tick
+from kvtui.run.live import CachePicture
 from kvtui.screens.base import WorkScreen
 from kvtui.sim.work import naive_step_positions
-from kvtui.widgets.cache_grid import CacheGrid, CachePicture
+from kvtui.widgets.cache_grid import CacheGrid
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import (
     Caption,

@@ -1,6 +1,6 @@
 """Screen 4: stretching the cache, each trick measured on the live model.
 
-Above, the table of `kvtui tricks` (kvtui.engine.table), measured in a process of its own on the
+Above, the table of `kvtui tricks` (kvtui.reports.tricks), measured in a process of its own on the
 running engine's model, each row landing as it is measured: what each trick keeps a token in,
 how far the same pool goes with it (measured, against its own prediction), what it costs in
 quality and speed. Below, one trick races the plain cache as screen 2 races the two loops: two
@@ -33,18 +33,12 @@ from textual.widget import Widget
 from textual.widgets import Static
 from textual.worker import get_current_worker
 
-from kvtui.engine.protocol import Event, RunFailed, RunSettings
-from kvtui.engine.spec import parse_engine
-from kvtui.engine.table import (
-    TABLE_ROWS,
-    TABLE_SINKS,
-    TABLE_TOKENS,
-    TABLE_WINDOW,
-    default_budget,
-)
+from kvtui.engines.factory import parse_engine
+from kvtui.engines.protocol import Event, RunFailed, RunSettings
 from kvtui.format import format_bytes, format_int, format_ratio, safe_text
+from kvtui.reports.table import TABLE_ROWS, TABLE_SINKS, TABLE_TOKENS, TABLE_WINDOW, default_budget
+from kvtui.run.live import LiveRun
 from kvtui.screens.base import LessonScreen
-from kvtui.screens.live import LiveRun
 from kvtui.sim.tricks import references
 from kvtui.widgets.stream import WAITING, TokenStream
 
@@ -63,7 +57,7 @@ class EngineHandle(Protocol):
 
 
 class TableHandle(Protocol):
-    """What the table needs of its process (kvtui.engine.table.TableProcess)."""
+    """What the table needs of its process (kvtui.reports.table.TableProcess)."""
 
     def start(self) -> None: ...
     def lines(self) -> Iterator[dict[str, Any]]: ...

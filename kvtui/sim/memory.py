@@ -106,3 +106,37 @@ def check_count(name: str, value: int, *, minimum: int) -> None:
         raise TypeError(f"{name} must be an integer, not {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be at least {minimum}, not {value}")
+
+
+def shape_bytes(model: ModelSpec, context: int, batch: int, *, gpu: bool) -> tuple[int, str]:
+    """What `shape:MODEL` needs on a GPU or a CPU, and what that is in words: kvtui's decoder in
+    the model's shape (its own parameters, kvtui.sim.catalog.estimate_params, in the dtype it
+    computes in there: kvtui.sim.catalog.compute_dtype) and the KV cache of `batch` sequences of
+    `context` tokens; on a CPU also a copy of the largest weight, which laying the weights out
+    for one-vector products makes one at a time."""
+    from kvtui.sim.catalog import compute_dtype, dtype_bytes, estimate_params
+
+    dtype, _ = compute_dtype(model.default_dtype, gpu=gpu)
+    element = int(dtype_bytes(dtype))
+    params = estimate_params(
+        layers=model.layers,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        vocab_size=model.vocab_size,
+        tied_embeddings=False,
+    )
+    need = params * element + kv_bytes(model, context, batch, dtype)
+    what = f"{dtype} weights + KV cache for {context:,} tokens" + (
+        f" x {batch}" if batch > 1 else ""
+    )
+    if not gpu:
+        q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+        largest = model.hidden_size * max(
+            q + 2 * kv, q, 2 * model.intermediate_size, model.vocab_size
+        )
+        need += largest * element
+        what += " + a copy of the largest weight"
+    return need, what

@@ -3,7 +3,7 @@
 An answer of `n` generated tokens follows a prompt of `p` tokens (p >= 1: a model needs a token to
 start from). Work is counted in *positions computed*: one position is one token's pass through the
 model, which produces that token's keys and values in every layer. The rule is the engines' own
-(kvtui.engine.protocol states it): the step that emits token t (t = 1..n)
+(kvtui.engines.protocol states it): the step that emits token t (t = 1..n)
 
 - without a cache recomputes every position so far: p + t - 1 of them; over the answer
   n*p + n(n-1)/2;
@@ -218,7 +218,7 @@ class StepCost:
     test fakes)."""
 
     positions: int
-    """Positions computed (kvtui.engine.protocol's counting rule), times the batch."""
+    """Positions computed (kvtui.engines.protocol's counting rule), times the batch."""
     flops: int
     bytes_read: int
 

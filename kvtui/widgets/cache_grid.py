@@ -11,17 +11,14 @@ and bytes are the engine's (measured, or modelled by `sim:`), the shares its mod
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-
 from rich.console import RenderableType
 from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
-from kvtui.engine.attention import SINK_TOKENS, Attention
-from kvtui.engine.protocol import Loop
+from kvtui.engines.attention import SINK_TOKENS
 from kvtui.format import format_bytes, format_count, format_share
+from kvtui.run.live import CachePicture
 
 NEWEST = 8
 """The newest positions whose share the picture sums up (the rest is the first SINK_TOKENS' and
@@ -34,47 +31,6 @@ MAX_TOKEN_CELLS = 12
 
 SHARE_CELLS = 1 + 4 + 1 + 5
 """What a row's share takes at least: a space, a bar of 4, a space, "12.3%"."""
-
-
-@dataclass(frozen=True)
-class CachePicture:
-    """One step of one loop, as the picture draws it (built by the screen from the live run)."""
-
-    loop: Loop
-    how: str = ""
-    """"measured", "modelled" or "" (nothing has run yet)."""
-    step: int | None = None
-    """The step drawn, 0-based; None before the first."""
-    rows: int = 0
-    """Positions whose keys and values the step's query read: the rows the cache holds after
-    the step (cached), or the rows the step computed again (uncached)."""
-    new_rows: int = 0
-    """Rows the step wrote: the prompt's on a prefill, one on a later cached step, all of them
-    without a cache."""
-    pieces: Mapping[int, str] = field(default_factory=dict)
-    """The token text of the positions the picture may list (the first and the newest)."""
-    next_piece: str | None = None
-    """The text of the token the step emitted: its keys and values are the next step's row."""
-    block_tokens: int | None = None
-    """Token slots per block of the pool (None: the engine keeps no pool)."""
-    blocks: int | None = None
-    """Blocks the cache held after the step."""
-    row_bytes: int | None = None
-    """Keys and values of one row, every layer: the bytes held over the rows."""
-    layers: int = 0
-    attention: Attention | None = None
-    attention_layer: int | None = None
-    attention_heads: int | None = None
-    no_attention: str = ""
-    """Why there are no weights, in words ("" where there are)."""
-    behind: int = 0
-    """Steps the loop has run past the one drawn (weights come at most 15 times a second)."""
-    unseen: str = ""
-    """Why this run's cache cannot be drawn, in words (a served run's is the server's), or ""."""
-
-    @property
-    def cached(self) -> bool:
-        return self.loop == "cached"
 
 
 def token_label(piece: str | None, width: int) -> str:

@@ -1,7 +1,7 @@
 """A served run's server, as screens 2 and 3 show it: vLLM's KV cache block by block with its
 requests, preemptions and prefix cache (every figure labelled as vLLM's), kvtui's prediction of
 its capacity beside it, and the latency kvtui measured against the server's own. Drawing is a
-pure read of the run (kvtui.engine.serving folds it)."""
+pure read of the run (kvtui.run.serving folds it)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from rich.style import Style
 from rich.text import Text
 from textual.widget import Widget
 
-from kvtui.engine.client import ServerURL
-from kvtui.engine.protocol import EngineError, RunStarted
-from kvtui.engine.serving import ServerWatch
-from kvtui.engine.spec import parse_engine
+from kvtui.engines.factory import parse_engine
+from kvtui.engines.protocol import RunStarted
+from kvtui.engines.vllm.client import ServerURL
+from kvtui.errors import EngineError
 from kvtui.format import (
     format_bytes,
     format_count,
@@ -21,6 +21,7 @@ from kvtui.format import (
     format_seconds,
     safe_text,
 )
+from kvtui.run.serving import ServerWatch
 from kvtui.widgets.plain import plain
 
 FULL = 0.99
@@ -244,7 +245,7 @@ class ServedCache(Widget):
 
     def _history(self, server: ServerWatch) -> Text:
         """Usage over the newest polls, and what `f` would put on the server."""
-        from kvtui.engine.load import fill_plan  # the load's modules, only for a served run
+        from kvtui.engines.vllm.load import fill_plan  # the load's modules, only for a served run
 
         polls = list(server.usage)
         usage = [u for _, u in polls]

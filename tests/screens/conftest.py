@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fakes import FakeEngine  # noqa: E402
 
 from kvtui.app import KVApp, make_app  # noqa: E402
-from kvtui.engine.protocol import RunSettings  # noqa: E402
+from kvtui.engines.protocol import RunSettings  # noqa: E402
 from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for  # noqa: E402, F401
 from kvtui.testing import notifications_in as notifications  # noqa: E402, F401
 

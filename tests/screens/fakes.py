@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvtui.engine.protocol import (
+from kvtui.engines.protocol import (
     Event,
     RunSettings,
     RunStarted,
     StepSample,
     run_events,
 )
-from kvtui.engine.roofline import MODELLED
+from kvtui.engines.roofline import MODELLED
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
 from kvtui.sim.pool import kv_capacity

@@ -9,9 +9,9 @@ from conftest import SETTINGS, build
 from fakes import measured_events, sim_events
 from test_screens import settle
 
-from kvtui.engine.attention import ATTENTION_SCALE
-from kvtui.engine.protocol import RunStarted, StepSample
-from kvtui.screens.live import SERVED_CACHE, LiveRun
+from kvtui.engines.attention import ATTENTION_SCALE
+from kvtui.engines.protocol import RunStarted, StepSample
+from kvtui.run.live import SERVED_CACHE, LiveRun
 from kvtui.widgets.cache_grid import CacheGrid
 
 LESSON = replace(SETTINGS, tokens=16, lesson=True)

@@ -8,7 +8,7 @@ from conftest import build, notifications, wait_for
 from fakes import FakeEngine
 from textual.worker import WorkerState
 
-from kvtui.engine.protocol import RunFailed
+from kvtui.engines.protocol import RunFailed
 
 SIZE = (100, 30)
 
@@ -99,7 +99,7 @@ async def test_an_engine_that_refuses_the_length_says_why():
     from conftest import SETTINGS
     from fakes import sim_events
 
-    from kvtui.engine.protocol import RunFinished
+    from kvtui.engines.protocol import RunFinished
 
     why = "4,140 positions is past the model's 4,096"
     started = replace(sim_events(SETTINGS)[0], max_positions=4096)

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from textual.content import Content
 
 from kvtui.app import make_app
-from kvtui.engine.protocol import RunFailed, RunFinished, RunStarted, run_events
-from kvtui.engine.spec import open_engine
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import RunFailed, RunFinished, RunStarted, run_events
 from kvtui.testing import ScriptedEngine
 
 SIZE = (200, 50)

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from fakes import measured_events
 
-from kvtui.engine.protocol import Event, RunStarted
-from kvtui.engine.replay import read_record
+from kvtui.engines.protocol import Event, RunStarted
+from kvtui.engines.replay import read_record
 from kvtui.gpu.probe import NullProbe
 from kvtui.paths import asset_path
 from kvtui.testing import HeadlessRun, RunSettings, headless
@@ -159,7 +159,7 @@ async def test_a_gpu_nvml_cannot_read_is_said_in_plain_words():
 
 def test_a_replay_names_the_device_it_was_recorded_on():
     """A GPU by its name (not "cuda:0"), a CPU or a modelled GPU as the record says."""
-    from kvtui.screens.live import LiveRun
+    from kvtui.run.live import LiveRun
 
     _, events = read_record(RECORD)
     for device, words in (

@@ -8,8 +8,8 @@ import pytest
 from conftest import PROBE, build, screen_text
 from test_screens import settle
 
-from kvtui.engine.protocol import RunSettings
-from kvtui.engine.roofline import MODELLED
+from kvtui.engines.protocol import RunSettings
+from kvtui.engines.roofline import MODELLED
 from kvtui.testing import headless
 from kvtui.widgets.chart import rolling_median
 from kvtui.widgets.vram import VramBar

@@ -10,8 +10,8 @@ from fakes import FakeEngine
 from textual.widgets import Static
 
 from kvtui.app import make_app
-from kvtui.engine.protocol import RunSettings, run_events
-from kvtui.engine.spec import open_engine
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import RunSettings, run_events
 from kvtui.screens.memory import MemoryScreen
 from kvtui.sim.budget import budget
 from kvtui.sim.catalog import get_gpu, get_model, gpu_names, model_names
@@ -169,7 +169,7 @@ async def test_at_80x24_every_remedy_of_an_overflow_is_readable():
 async def test_on_a_gpu_the_live_bar_gives_torchs_capacity_and_nvmls():
     from fakes import sim_events
 
-    from kvtui.engine.protocol import RunStarted
+    from kvtui.engines.protocol import RunStarted
 
     settings = replace(SIM, lesson=False)
     events = [

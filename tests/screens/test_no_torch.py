@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent(
     """
     import asyncio, json, sys
     from kvtui.app import make_app
-    from kvtui.engine.protocol import RunSettings
+    from kvtui.engines.protocol import RunSettings
 
     async def main():
         settings = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=8, replay_speed=0)

@@ -9,8 +9,8 @@ from fakes import FakeEngine, sim_events
 from textual.widgets import OptionList, Static
 
 from kvtui.app import make_app
-from kvtui.engine.protocol import RunSettings
-from kvtui.engine.roofline import MODELLED
+from kvtui.engines.protocol import RunSettings
+from kvtui.engines.roofline import MODELLED
 from kvtui.format import format_ratio
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen
@@ -124,7 +124,7 @@ async def test_screen2_shows_the_first_divergence():
     from conftest import SETTINGS
     from fakes import sim_events
 
-    from kvtui.engine.protocol import StepSample
+    from kvtui.engines.protocol import StepSample
 
     events = sim_events(SETTINGS)
     tampered = [

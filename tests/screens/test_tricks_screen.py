@@ -4,7 +4,7 @@ keys pick the trick and its setting, and the essentials fit 80x24."""
 
 from pathlib import Path
 
-from kvtui.engine.protocol import RunFailed, RunSettings
+from kvtui.engines.protocol import RunFailed, RunSettings
 from kvtui.screens.tricks import PoolLine, TricksScreen
 from kvtui.testing import ScriptedEngine, headless
 from kvtui.widgets.stream import TokenStream

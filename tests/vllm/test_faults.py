@@ -13,9 +13,8 @@ import pytest
 
 from kvtui.app import make_app
 from kvtui.cli import main
-from kvtui.engine.client import ServerURL
-from kvtui.engine.load import FILL_WAVES, MAX_CONCURRENCY, fill_plan
-from kvtui.engine.protocol import (
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import (
     RunControl,
     RunFinished,
     RunSettings,
@@ -23,7 +22,8 @@ from kvtui.engine.protocol import (
     StepSample,
     run_events,
 )
-from kvtui.engine.spec import open_engine
+from kvtui.engines.vllm.client import ServerURL
+from kvtui.engines.vllm.load import FILL_WAVES, MAX_CONCURRENCY, fill_plan
 from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
 
 from .fake import FakeVLLM

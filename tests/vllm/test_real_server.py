@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 
 from kvtui.app import make_app
-from kvtui.engine.bench import run_bench
-from kvtui.engine.client import ServerURL
-from kvtui.engine.load import LoadPlan, run_load
-from kvtui.engine.protocol import RunSettings
-from kvtui.engine.serving import CapacityCheck, ServerWatch
-from kvtui.engine.spec import open_engine
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import RunSettings
+from kvtui.engines.vllm.client import ServerURL
+from kvtui.engines.vllm.load import LoadPlan, run_load
+from kvtui.reports.bench import run_bench
+from kvtui.run.serving import CapacityCheck, ServerWatch
 from kvtui.testing import NO_GPU_PROBE, notifications_in, screen_text, wait_for
 
 from .server import BLOCK_TOKENS, KV_CACHE_BYTES, VLLMServer

@@ -1,0 +1,768 @@
+"""`kvtui bench`: both loops on the same prompt, measured, as one JSON-ready summary. No UI.
+
+The engine runs in this process (there is no UI to fight for the GIL), the cached loop first and
+then the uncached one, each to its end, so that their step times do not interleave.
+
+A run of `batch` B decodes B sequences together; its summary says how fast each sequence went
+(`tokens_per_s_per_sequence`, one token of each per step) and all of them (`tokens_per_s_total`),
+and counts the work and the KV cache of all of them. `run_sweep` runs one bench per batch size
+(`kvtui bench --batch 1,2,4,8,16`): how throughput, step time and arithmetic intensity (FLOPs per
+byte read, against the device's ridge point where known) move with the batch.
+
+The events are folded by kvtui.run.summary, the fold the screens use too, so a figure means
+the same in both. Memory stays bounded: each step is kept as a few numbers in arrays (about 50
+bytes, not a 360-byte StepSample), with at most MAX_TEXT_CHARS of text, and a run has at most
+MAX_TOKENS steps per loop (kvtui.engines.factory.check_run). Every float of the summary is finite or
+None, so its JSON is JSON. `--record FILE` writes to a temporary file beside FILE and renames it
+onto FILE when the run ends, Ctrl-C included (the loops then end "cancelled"), so FILE is either
+untouched or a whole, replayable record; an existing FILE is replaced only with `force`, and never
+a link.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, Any, Protocol, runtime_checkable
+
+from kvtui.engines.factory import check_run, open_engine
+from kvtui.engines.protocol import (
+    Event,
+    Loop,
+    RunFailed,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    StepSample,
+    run_events,
+)
+from kvtui.engines.replay import RecordWriter
+from kvtui.errors import EngineError
+from kvtui.format import (
+    format_bandwidth,
+    format_bytes,
+    format_count,
+    format_int,
+    format_ratio,
+    safe_text,
+)
+from kvtui.run.summary import LoopSummary, RunSummary
+from kvtui.sim.pool import KVPool
+from kvtui.sim.tricks import QUALITY_BYTES, tokens_before_full
+
+MAX_TEXT_CHARS = 65_536
+"""The most generated text a summary keeps (its table shows the first 200 characters)."""
+SPEED_STEPS = 256
+"""Steps after the first over which `tpot_first_steps_s` is taken: the same steps for runs that
+stop at different lengths (a step reads more cache the longer the run)."""
+
+
+@runtime_checkable
+class MeasuresQuality(Protocol):
+    """An engine that can say what its KV-cache layout costs in quality (kvtui's own decoder on
+    its byte-level model); the others report none."""
+
+    def measure_quality(self, loop: Loop, text_bytes: int) -> dict[str, Any] | None: ...
+
+
+@dataclass
+class _Collected:
+    """The run folded (kvtui.run.summary), and the first MAX_TEXT_CHARS of each loop's text."""
+
+    run: RunSummary = field(default_factory=RunSummary)
+    text: dict[str, list[str]] = field(default_factory=lambda: {"cached": [], "uncached": []})
+    text_chars: dict[str, int] = field(default_factory=lambda: {"cached": 0, "uncached": 0})
+    quality: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    """Per loop, what its cache layout costs in quality (kvtui.engines.quality), where measured."""
+
+    def add_text(self, s: StepSample) -> None:
+        done = self.text_chars[s.loop]
+        if done < MAX_TEXT_CHARS:
+            piece = s.text[: MAX_TEXT_CHARS - done]
+            self.text[s.loop].append(piece)
+            self.text_chars[s.loop] += len(piece)
+
+    def steps(self, loop: str) -> int:
+        return self.run.loops[loop].steps
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def loop_stats(steps: LoopSummary) -> dict[str, Any]:
+    """Throughput and step-time shape of one loop (times in ms): tokens (steps) per second of
+    each sequence and of all of them, the first step's time and the later steps' (TTFT, TPOT)
+    and the positions each computes per second, every sequence's, and the FLOPs torch counted on
+    the sampled steps beside the formula's."""
+    return {
+        "tokens": steps.steps,
+        "tokens_per_s": steps.tokens_per_s_per_sequence,
+        "tokens_per_s_per_sequence": steps.tokens_per_s_per_sequence,
+        "tokens_per_s_total": steps.tokens_per_s_total,
+        "step_ms_p50": _ms(steps.step_seconds_p50),
+        "step_ms_first_quartile": _ms(steps.step_seconds_first_quartile),
+        "step_ms_last_quartile": _ms(steps.step_seconds_last_quartile),
+        "step_ms_p99": _ms(steps.step_seconds_quantile(0.99)),
+        "total_s": steps.seconds_total,
+        "ms_per_position": _ms(steps.seconds_per_position),
+        "ttft_s": steps.ttft_s,
+        "tpot_s": steps.tpot_s,
+        "tpot_first_steps_s": steps.tpot_over(SPEED_STEPS),
+        "first_step_positions": steps.first_positions if steps.steps else None,
+        "first_step_positions_per_s": steps.first_step_positions_per_s,
+        "later_step_positions_per_s": steps.later_step_positions_per_s,
+        "flops_counted": steps.flops_counted,
+        "flops_formula": steps.flops_formula if steps.flops_counted is not None else None,
+        "flops_sampled_steps": steps.flops_sampled_steps,
+        "flops_ratio": steps.flops_ratio,
+    }
+
+
+def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
+    """The JSON-ready summary of a collected run (kvtui.run.summary's figures)."""
+    run = c.run
+    started = run.started
+    assert started is not None  # a run with steps began with its RunStarted (run_events)
+    cached, uncached = run.loop("cached"), run.loop("uncached")
+    stats_c, stats_u = loop_stats(cached), loop_stats(uncached)
+    allocated = cached.kv_bytes_allocated
+    block_bytes = (
+        started.kv_block_tokens * started.kv_bytes_per_token if started.kv_block_tokens else None
+    )
+    last_q = (stats_c["step_ms_last_quartile"], stats_u["step_ms_last_quartile"])
+    layout = started.layout
+    per_position = cached.finished.kv_bytes_per_position if cached.finished else None
+    stop: int | None = None
+    if started.kv_capacity_bytes is not None and started.kv_block_tokens:
+        pool = KVPool(
+            started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
+        )
+        stop = tokens_before_full(pool, layout, started.prompt_tokens, started.batch)
+    kv_c = {
+        "kv_bytes_per_token": per_position,
+        "kv_bytes_per_token_formula": started.kv_bytes_per_token if cached.steps else None,
+        "tokens_before_full_predicted": stop,
+    }
+    kv_u = dict.fromkeys(kv_c)
+    summary: dict[str, Any] = _finite(
+        {
+            "engine": settings.engine,
+            "timing": started.timing,
+            "device": started.device,
+            "model": started.model,
+            "dtype": started.dtype,
+            "threads": started.threads,
+            "prompt_tokens": started.prompt_tokens,
+            "tokens": started.tokens,
+            "batch": started.batch,
+            "seed": settings.seed,
+            "greedy": settings.greedy,
+            "text": "".join(c.text["cached"] or c.text["uncached"]),
+            "token_ids": (cached.token_ids or uncached.token_ids).tolist(),
+            "identical": run.identical,
+            "compared_tokens": run.compared_steps,
+            "first_divergence": run.first_divergence,
+            "cached": {
+                **stats_c,
+                **kv_c,
+                "finished": _finished(cached.finished),
+                "quality": c.quality.get("cached"),
+            },
+            "uncached": {
+                **stats_u,
+                **kv_u,
+                "finished": _finished(uncached.finished),
+                "quality": c.quality.get("uncached"),
+            },
+            "kv_layout": {**layout.to_json(), "words": layout.words()},
+            "kv_heads_model": started.kv_heads_model,
+            "speedup_wall": run.wall_speedup(),
+            "last_quartile_ratio": last_q[1] / last_q[0] if all(last_q) else None,
+            "work_cached": None if started.served_by else cached.positions_computed,
+            "work_uncached": None if started.served_by else uncached.positions_computed,
+            "work_ratio": run.positions_speedup(),
+            "kv_bytes_per_token": started.kv_bytes_per_token,
+            "kv_capacity_bytes": started.kv_capacity_bytes,
+            "kv_pool_source": started.kv_pool_source,
+            "kv_block_tokens": started.kv_block_tokens,
+            "kv_blocks_allocated": allocated // block_bytes
+            if allocated is not None and block_bytes
+            else None,
+            "kv_bytes_allocated": allocated,
+            "kv_bytes_filled": cached.kv_bytes_filled,
+            "kv_bytes_formula": run.kv_bytes_formula("cached"),
+            "weights_bytes": started.weights_bytes,
+            "achieved_bandwidth_bytes_per_s": cached.bandwidth_bytes_per_s,
+            "peak_bandwidth_bytes_per_s": started.peak_bandwidth_bytes_per_s,
+            "flops_per_byte": cached.flops_per_byte,
+            "ridge_flops_per_byte": started.ridge_flops_per_byte,
+            "ridge_source": started.ridge_source,
+            "served_by": started.served_by,
+            "server": served_summary(run) if started.served_by else None,
+            "messages": list(
+                dict.fromkeys(
+                    f.message
+                    for f in (cached.finished, uncached.finished)
+                    if f is not None and f.message
+                )
+            ),
+        }
+    )
+    return summary
+
+
+def served_summary(run: RunSummary) -> dict[str, Any]:
+    """A served run's server, as its /metrics said (every figure the server's), beside kvtui's
+    prediction of its KV cache (kvtui.run.serving)."""
+    server = run.server
+    m = server.latest
+    check = server.capacity(run.started)
+    capacity: dict[str, Any] | str = (
+        check
+        if isinstance(check, str)
+        else {
+            "blocks": check.blocks,
+            "block_tokens": check.block_tokens,
+            "tokens": check.tokens,
+            "memory_bytes": check.memory_bytes,
+            "kv_dtype": check.kv_dtype,
+            "kv_bytes_per_token": check.kv_bytes_per_token,
+            "predicted_blocks": check.predicted_blocks,
+            "predicted_tokens": check.predicted_tokens,
+            "override": check.override,
+            "agree": check.agree,
+        }
+    )
+    return {
+        "polls": server.polls,
+        "failed_polls": server.failed,
+        "error": server.error,
+        "found": list(m.found) if m is not None else [],
+        "capacity": capacity,
+        "kv_usage": m.kv_usage if m is not None else None,
+        "kv_usage_peak": server.peak_usage,
+        "requests_running": m.requests_running if m is not None else None,
+        "requests_waiting": m.requests_waiting if m is not None else None,
+        "preemptions_seen": server.preemptions_seen,
+        "prefix_queries_seen_tokens": server.prefix_queries_seen,
+        "prefix_hits_seen_tokens": server.prefix_hits_seen,
+        "ttft_mean_s": server.ttft_mean_s,
+        "ttft_requests": server.ttft_requests,
+        "itl_mean_s": server.itl_mean_s,
+    }
+
+
+def _finished(f: RunFinished | None) -> dict[str, Any] | None:
+    """How a loop ended: its reason ("done", "out_of_memory", ...), steps and message."""
+    return {"reason": f.reason, "steps": f.steps, "message": f.message} if f else None
+
+
+def _finite(data: Any) -> Any:
+    """`data` with every float that is not finite (a rate over a zero-length step) made None."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: _finite(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [_finite(value) for value in data]
+    return data
+
+
+def run_bench(
+    settings: RunSettings,
+    *,
+    record: Path | None = None,
+    force: bool = False,
+    progress: Callable[[str], None] = lambda line: None,
+    quality_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Run both loops, cached first; return the summary. `EngineError` for a bad engine, a run
+    that produced no step, or a record that cannot be written (`RecordError`); Ctrl-C ends the
+    run with its record, if any, whole (`Interrupted`). `quality_bytes`: each loop's cost in
+    quality on that many bytes of held-out text, where the engine measures it (default:
+    QUALITY_BYTES when the run keeps a KV-cache trick, none without; 0: none)."""
+    if quality_bytes is None:
+        quality_bytes = 0 if settings.layout.is_plain else QUALITY_BYTES
+    settings = _cached_first(settings)
+    check_run(settings)  # a run that cannot start (no CUDA) is said before a file is made
+    recording = RecordFile(record, force) if record else None  # a bad target costs no load
+    try:
+        engine = open_engine(settings)
+    except BaseException:
+        if recording:
+            recording.discard()
+        raise
+    settings = getattr(engine, "settings", settings)  # a replay runs what was recorded
+    collected = _Collected()
+    try:
+        if recording:
+            recording.start(settings)
+        last_report = time.monotonic()
+        for event in run_events(engine, settings, schedule="sequential"):
+            if recording:
+                recording.write(event)
+            _collect(collected, event)
+            if isinstance(event, StepSample) and time.monotonic() - last_report > 1.0:
+                last_report = time.monotonic()
+                started = collected.run.started
+                assert started is not None  # run_events sends it before any step
+                progress(f"{event.loop}: {event.step + 1}/{started.tokens} tokens")
+        if quality_bytes and isinstance(engine, MeasuresQuality):
+            for loop in settings.loops:
+                progress(f"{loop}: quality on {quality_bytes:,} bytes of held-out text")
+                collected.quality[loop] = engine.measure_quality(loop, quality_bytes)
+    except KeyboardInterrupt:
+        steps = sum(collected.steps(loop) for loop in collected.run.loops)
+        if recording and steps:
+            for loop in settings.loops:
+                if collected.run.loops[loop].finished is None:
+                    done = collected.steps(loop)
+                    recording.write(RunFinished(loop, "cancelled", done, "interrupted"))
+            recording.commit()
+            raise Interrupted(f"interrupted after {steps:,} steps; recorded to {record}") from None
+        if recording:
+            recording.discard()
+        raise Interrupted(f"interrupted after {steps:,} steps") from None
+    except BaseException:
+        if recording:
+            recording.discard()
+        raise
+    finally:
+        engine.close()
+    finished = [s.finished for s in collected.run.loops.values() if s.finished is not None]
+    failed = [f.message or f"the {f.loop} loop failed" for f in finished if f.reason == "error"]
+    if failed or not any(collected.steps(loop) for loop in collected.run.loops):
+        messages = [f.message for f in finished if f.message]
+        if recording:  # a run that failed measured nothing worth replaying
+            recording.discard()
+        raise EngineError((failed or messages or ["the run produced no steps"])[0])
+    if recording:
+        recording.commit()
+    return summarize(collected, settings)
+
+
+def run_sweep(
+    settings: RunSettings,
+    batches: list[int],
+    *,
+    progress: Callable[[str], None] = lambda line: None,
+) -> dict[str, Any]:
+    """One `run_bench` per batch size, in the order given: `{"sweep": [summary, ...]}`. Every
+    size is checked (`check_run`) before the first run, so that a bad one costs no run."""
+    runs = [replace(settings, batch=batch) for batch in batches]
+    for run in runs:
+        check_run(run)
+    summaries: list[dict[str, Any]] = []
+    for run in runs:
+        say = functools.partial(_prefixed, progress, f"batch {run.batch}: ")
+        summaries.append(run_bench(run, progress=say))
+    return {"sweep": summaries}
+
+
+def _prefixed(progress: Callable[[str], None], prefix: str, line: str) -> None:
+    progress(prefix + line)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `run_bench`: what was done, and where it was recorded, in one line."""
+
+
+class RecordError(EngineError):
+    """`--record FILE` cannot be written: one line for a person to read."""
+
+
+class RecordFile:
+    """A record written to a temporary file beside its target and renamed onto it once whole.
+
+    The target must not be a link, nor anything but a regular file, and must not exist unless
+    `force`; its folder is made if missing (`runs/h100.jsonl` on a fresh checkout). A failed
+    write (a full disk) or a run that fails discards the temporary file, and the folders it
+    made, and leaves the target as it was."""
+
+    def __init__(self, path: Path, force: bool) -> None:
+        self.path, self.force = path, force
+        if path.is_symlink():
+            raise RecordError(f"--record {path}: a symbolic link; kvtui writes records to files")
+        if path.exists():
+            if not path.is_file():
+                raise RecordError(f"--record {path}: exists and is not a regular file")
+            if not force:
+                raise RecordError(f"--record {path}: already exists (--force replaces it)")
+        parent = path.absolute().parent
+        self._made = [p for p in (parent, *parent.parents) if not os.path.lexists(p)]
+        """The folders made for the record, deepest first: removed again if it is discarded."""
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            fd, temp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".part")
+        except OSError as exc:
+            self._remove_made()
+            raise self._error(exc) from None
+        self._temp = Path(temp)
+        self._out: IO[str] | None = os.fdopen(fd, "w", encoding="utf-8")
+        self._writer: RecordWriter | None = None
+
+    def _error(self, exc: OSError) -> RecordError:
+        return RecordError(f"cannot write {self.path}: {exc.strerror or type(exc).__name__}")
+
+    def start(self, settings: RunSettings) -> None:
+        """The header line: the settings that ran, and when."""
+        assert self._out is not None, "start() before commit() or discard()"
+        self._recorded_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        try:
+            self._writer = RecordWriter(self._out, settings, recorded_at=self._recorded_at)
+        except OSError as exc:
+            self.discard()
+            raise self._error(exc) from None
+
+    def write(self, event: Event) -> None:
+        """One event; the run's start carries when it was recorded (`RunStarted.recorded_at`)."""
+        assert self._writer is not None, "start() first"
+        if isinstance(event, RunStarted):
+            event = replace(event, recorded_at=self._recorded_at)
+        try:
+            self._writer.write(event)
+        except OSError as exc:
+            self.discard()
+            raise self._error(exc) from None
+        except EngineError as exc:  # a number JSON does not have
+            self.discard()
+            raise RecordError(f"--record {self.path}: {exc}") from None
+
+    def commit(self) -> None:
+        """Close the temporary file and move it onto the target (never over a file that
+        appeared meanwhile, unless `force`)."""
+        assert self._out is not None, "commit() once, and not after discard()"
+        try:
+            self._out.close()
+            self._out = None
+            if self.force:
+                os.replace(self._temp, self.path)
+                return
+            try:
+                os.link(self._temp, self.path)  # fails if the target exists: nothing clobbered
+            except FileExistsError:
+                raise RecordError(
+                    f"--record {self.path}: appeared during the run (--force replaces it)"
+                ) from None
+            except OSError:  # a file system without hard links
+                if os.path.lexists(self.path):
+                    raise RecordError(f"--record {self.path}: appeared during the run") from None
+                os.replace(self._temp, self.path)
+                return
+            os.unlink(self._temp)
+        except OSError as exc:
+            self.discard()
+            raise self._error(exc) from None
+        except RecordError:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Close and remove the temporary file; the target is left as it was."""
+        if self._out is not None:
+            with contextlib.suppress(OSError):
+                self._out.close()
+            self._out = None
+        with contextlib.suppress(OSError):
+            self._temp.unlink()
+        self._remove_made()
+
+    def _remove_made(self) -> None:
+        for folder in self._made:  # deepest first; one that is no longer empty stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
+
+def _cached_first(settings: RunSettings) -> RunSettings:
+    loops = tuple(loop for loop in ("cached", "uncached") if loop in settings.loops)
+    return replace(settings, loops=loops)
+
+
+def _collect(c: _Collected, event: Event) -> None:
+    if isinstance(event, RunFailed):
+        raise EngineError(event.message)
+    c.run.apply(event)
+    if isinstance(event, StepSample):
+        c.add_text(event)
+
+
+def _kv_lines(r: dict[str, Any]) -> list[str]:
+    """The KV cache's lines of the table: its pool, what the cached loop took and filled."""
+    lines = []
+    measured = r["timing"] == "measured"
+    how = "measured" if measured else "modelled"
+    if r["kv_capacity_bytes"] is not None:
+        pool = (
+            f"  KV pool: {format_bytes(r['kv_capacity_bytes'])} ({r['kv_pool_source']}), "
+            f"blocks of {r['kv_block_tokens']} tokens"
+        )
+        lines.append(pool)
+    elif r["kv_bytes_allocated"] is not None:
+        lines.append("  KV pool: none (the engine's own cache, sized for the run; no budget)")
+    if r["kv_bytes_allocated"] is not None:
+        blocks = r["kv_blocks_allocated"]
+        lines.append(
+            f"  KV cache at the end: {format_bytes(r['kv_bytes_allocated'])} allocated"
+            + (f" ({format_count(blocks, 'block')})" if blocks is not None else "")
+            + f", {format_bytes(r['kv_bytes_filled'] or 0)} filled ({how}); "
+            f"{format_bytes(r['kv_bytes_formula'] or 0)} by the formula"
+        )
+    return lines
+
+
+def _served_lines(r: dict[str, Any]) -> list[str]:
+    """A served run's server, as its /metrics said, and kvtui's prediction beside it."""
+    server = r["server"]
+    lines = [
+        f"  times above: kvtui's clock, over HTTP; {r['served_by']}'s own figures "
+        f"({server['polls']} polls of its /metrics):"
+    ]
+    if server["error"]:
+        lines.append(f"  the server's metrics: {server['error']}")
+    c = server["capacity"]
+    if isinstance(c, str):
+        lines.append(f"  KV cache: {c}")
+    else:
+        lines.append(
+            f"  KV cache: {format_int(c['tokens'])} tokens = {format_int(c['blocks'])} blocks x "
+            f"{c['block_tokens']}"
+            + (
+                f"; kvtui predicts {format_int(c['predicted_blocks'])} blocks from "
+                f"{format_bytes(c['memory_bytes'])} at {format_int(c['kv_bytes_per_token'])} B "
+                f"a token ({c['kv_dtype']}): "
+                + {True: "agree", False: "DISAGREE", None: "vLLM was told its blocks"}[c["agree"]]
+                if c["predicted_blocks"] is not None
+                else ""
+            )
+        )
+    if server["kv_usage_peak"] is not None:
+        lines.append(
+            f"  usage peak {server['kv_usage_peak'] * 100:.0f}%, preemptions while watched: "
+            f"{server['preemptions_seen']}"
+        )
+    ttft, itl = server["ttft_mean_s"], server["itl_mean_s"]
+    if ttft is not None or itl is not None:
+        lines.append(
+            f"  vLLM's histograms over {server['ttft_requests']} request(s): first token "
+            + ("-" if ttft is None else f"{ttft * 1e3:.2f} ms")
+            + ", between tokens "
+            + ("-" if itl is None else f"{itl * 1e3:.2f} ms")
+        )
+    return lines
+
+
+def _trick_lines(r: dict[str, Any]) -> list[str]:
+    """The KV-cache layout's lines: its bytes per token measured against the formula, where the
+    pool stops it, and what each loop's cache costs in quality."""
+    lines = []
+    layout, cached = r["kv_layout"]["words"], r["cached"]
+    measured, formula = cached["kv_bytes_per_token"], cached["kv_bytes_per_token_formula"]
+    if measured is not None and formula is not None:
+        verdict = "= formula" if measured == formula else f"formula {format_int(formula)}"
+        lines.append(
+            f"  KV cache ({layout}): {format_int(measured)} bytes per token measured from its "
+            f"tensors, {verdict}"
+        )
+    if r["kv_heads_model"] is not None:
+        lines.append(
+            f"  key/value heads: the model's {r['kv_heads_model']} averaged into "
+            f"{r['kv_layout']['kv_heads']} (no retraining)"
+        )
+    stop = cached["tokens_before_full_predicted"]
+    finished = cached["finished"]
+    if finished is not None and finished["reason"] == "out_of_memory":
+        lines.append(
+            f"  the cached loop stopped at {format_int(finished['steps'])} tokens (measured); "
+            f"predicted {format_int(stop) if stop is not None else 'never'}"
+        )
+    for loop in ("cached", "uncached"):
+        q = r[loop]["quality"]
+        if q is None:
+            continue
+        first = q["first_divergence"]
+        differ = (
+            f"greedy tokens first differ at step {first + 1:,}"
+            if first is not None
+            else f"greedy tokens the same over {q['greedy_tokens']:,}"
+        )
+        lines.append(
+            f"  quality ({loop}, measured on {format_int(q['positions'])} held-out positions): "
+            f"{q['nats_per_byte']:.4f} nats/byte vs {q['nats_per_byte_baseline']:.4f} "
+            f"without; KL {q['kl']:.5f}; top-1 agreement {q['top1_agreement']:.1%}; {differ}"
+        )
+    return lines
+
+
+def _flops_lines(r: dict[str, Any]) -> list[str]:
+    """Per loop, the FLOPs torch counted on the sampled steps against the formula's for them
+    (none for an engine that counts none: `sim:`, `replay:` of one)."""
+    lines = []
+    for loop in ("cached", "uncached"):
+        stats = r[loop]
+        if stats["flops_counted"] is None:
+            continue
+        counted, formula = stats["flops_counted"], stats["flops_formula"]
+        steps = format_count(stats["flops_sampled_steps"], "sampled step")
+        ratio = stats["flops_ratio"]
+        verdict = (
+            "equal"
+            if counted == formula
+            else f"{ratio:.4f}x the formula"
+            if ratio is not None
+            else "the formula counts none"
+        )
+        lines.append(
+            f"  {loop}: FLOPs counted (FlopCounterMode, {steps}) {format_int(counted)} vs "
+            f"formula {format_int(formula)}: {verdict}"
+        )
+    return lines
+
+
+def format_table(r: dict[str, Any]) -> str:
+    """The summary as a small table for a terminal."""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f} ms"
+
+    def tps(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.1f}"
+
+    def seconds_ms(v: float | None) -> str:
+        return "-" if v is None else ms(v * 1e3)
+
+    def both(key: str, show: Callable[[float | None], str]) -> tuple[str, str]:
+        return show(r["cached"][key]), show(r["uncached"][key])
+
+    rows = [
+        ("", "cached", "uncached"),
+        (
+            "tokens/s" + (", each sequence" if r["batch"] > 1 else ""),
+            *both("tokens_per_s_per_sequence", tps),
+        ),
+        ("time to first token", *both("ttft_s", seconds_ms)),
+        ("time per later token", *both("tpot_s", seconds_ms)),
+        ("positions/s, first step", *both("first_step_positions_per_s", tps)),
+        ("positions/s, later steps", *both("later_step_positions_per_s", tps)),
+        ("step p50", ms(r["cached"]["step_ms_p50"]), ms(r["uncached"]["step_ms_p50"])),
+        (
+            "step, first quartile",
+            ms(r["cached"]["step_ms_first_quartile"]),
+            ms(r["uncached"]["step_ms_first_quartile"]),
+        ),
+        (
+            "step, last quartile",
+            ms(r["cached"]["step_ms_last_quartile"]),
+            ms(r["uncached"]["step_ms_last_quartile"]),
+        ),
+        ("positions computed", *(format_int(r[k] or 0) for k in ("work_cached", "work_uncached"))),
+    ]
+    if r["batch"] > 1:
+        rows.insert(2, ("tokens/s, all sequences", *both("tokens_per_s_total", tps)))
+    if r["served_by"]:  # positions are the server's: not observed over HTTP
+        rows = [row for row in rows if not row[0].startswith("positions")]
+    width = max(len(row[0]) for row in rows)
+    lines = [
+        f"{r['model']} on {r['device']} ({r['dtype']}"
+        + (f", {format_count(r['threads'], 'thread')}" if r["threads"] else "")
+        + "), "
+        f"{r['prompt_tokens']} prompt + {r['tokens']} tokens"
+        + (f", a batch of {r['batch']} sequences" if r["batch"] > 1 else "")
+    ]
+    if r["timing"] != "measured":
+        lines.append(f"  every time and rate below is {r['timing']}: arithmetic, not a measurement")
+    lines += [f"  {a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]
+    if r["first_divergence"] is not None:
+        lines.append(f"  tokens: DIFFER from step {r['first_divergence']}")
+    elif r["compared_tokens"]:
+        lines.append(f"  tokens: identical over the {format_int(r['compared_tokens'])} both made")
+    else:
+        lines.append("  tokens: nothing to compare (a loop made none)")
+    if r["speedup_wall"] and r["work_ratio"]:
+        lines.append(
+            f"  speedup: {format_ratio(r['speedup_wall'])} {r['timing']}, "
+            f"{format_ratio(r['work_ratio'])} in positions computed"
+        )
+    lines += _served_lines(r) if r["served_by"] else _kv_lines(r) + _trick_lines(r)
+    if r["achieved_bandwidth_bytes_per_s"]:
+        peak = r["peak_bandwidth_bytes_per_s"]
+        lines.append(
+            f"  cached step reads {format_bandwidth(r['achieved_bandwidth_bytes_per_s'])}"
+            + ("" if r["timing"] == "measured" else " (modelled)")
+            + (f" of {format_bandwidth(peak)} peak" if peak else "")
+            + (f", {r['flops_per_byte']:.2f} FLOPs per byte" if r["flops_per_byte"] else "")
+            + (
+                f" (ridge {r['ridge_flops_per_byte']:.0f})"
+                if r["flops_per_byte"] and r["ridge_flops_per_byte"]
+                else ""
+            )
+        )
+    lines += _flops_lines(r)
+    lines += [f"  {m}" for m in r["messages"]]
+    lines.append(f"  text: {r['text'][:200]!r}")
+    return safe_text("\n".join(lines))  # names, messages and text may come from a file
+
+
+def format_sweep(sweep: dict[str, Any]) -> str:
+    """A sweep as a table for a terminal: one line per batch size."""
+    runs = sweep["sweep"]
+    first = runs[0]
+
+    def num(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.2f} ms"
+
+    header = (
+        "batch",
+        "tok/s/seq",
+        "tok/s total",
+        "step (TPOT)",
+        "uncached tok/s",
+        "KV filled",
+        "FLOPs/byte",
+    )
+    rows = [
+        (
+            str(r["batch"]),
+            num(r["cached"]["tokens_per_s_per_sequence"], ",.1f"),
+            num(r["cached"]["tokens_per_s_total"], ",.1f"),
+            ms(r["cached"]["tpot_s"]),
+            num(r["uncached"]["tokens_per_s_total"], ",.1f"),
+            "-" if r["kv_bytes_filled"] is None else format_bytes(r["kv_bytes_filled"]),
+            num(r["flops_per_byte"], ".2f"),
+        )
+        for r in runs
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = [
+        f"{first['model']} on {first['device']} ({first['dtype']}"
+        + (f", {format_count(first['threads'], 'thread')}" if first["threads"] else "")
+        + f"), {first['prompt_tokens']} prompt + {first['tokens']} tokens per sequence"
+    ]
+    if first["timing"] != "measured":
+        lines.append(f"  every time and rate below is {first['timing']}: arithmetic")
+    lines += [
+        "  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+        for row in (header, *rows)
+    ]
+    lines.append(
+        "  cached loop: tok/s, TPOT (a step after the prefill), FLOPs/byte (their mean); "
+        "uncached: tok/s total"
+    )
+    ridge = first["ridge_flops_per_byte"]
+    if ridge is not None:
+        lines.append(f"  ridge point: {ridge:.0f} FLOPs per byte ({first['ridge_source']})")
+    else:
+        lines.append(f"  ridge point: {first['ridge_source'] or 'unknown'}")
+    for r in runs:
+        lines += [f"  batch {r['batch']}: {m}" for m in r["messages"]]
+    return safe_text("\n".join(lines))

@@ -1,0 +1,176 @@
+"""The commands for watching a real serving engine, without a UI: `kvtui export-hf DIR` (the
+shipped model as a Hugging Face checkpoint a server can load) and `kvtui load URL` (a bounded
+load on a server, to fill its KV cache). Their parsers and handlers; the work is in
+kvtui.gpu.export (torch, imported only when exporting) and kvtui.engines.vllm.load (plain HTTP).
+Bad input is one line on stderr and exit status 2 (kvtui.options)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtui.errors import EngineError
+from kvtui.format import format_bytes, format_int, safe_text
+from kvtui.options import UsageError, float_in, int_in
+from kvtui.reports.sim import print_json
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """`kvtui export-hf DIR`: write the shipped model as a `LlamaForCausalLM` checkpoint."""
+    from kvtui.gpu.export import export_hf
+
+    try:
+        export = export_hf(args.directory, force=args.force)
+    except EngineError as exc:
+        raise UsageError(f"kvtui export-hf: {exc}") from None
+    where = safe_text(str(export.directory), one_line=True)
+    print(
+        f"wrote {where}: a LlamaForCausalLM of {format_int(export.params)} parameters "
+        f"({format_bytes(export.weights_bytes)} of float32 safetensors), a byte-level tokenizer "
+        "(ids are bytes), no eos token"
+    )
+    print(f"  transformers: AutoModelForCausalLM.from_pretrained({str(export.directory)!r})")
+    print(f"  kvtui:        kvtui --model {where}")
+    print(
+        f"  vLLM:         python -m vllm.entrypoints.openai.api_server --model {where} "
+        "--dtype float32"
+    )
+    return 0
+
+
+def add_export_hf(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "export-hf",
+        help="write the shipped model as a Hugging Face Llama checkpoint (for transformers, vLLM)",
+        description="Write tiny-austen as a Hugging Face LlamaForCausalLM checkpoint: "
+        "config.json, model.safetensors (float32) and a byte-level tokenizer whose ids are the "
+        "bytes, so that transformers and vLLM run the model kvtui runs, with the same greedy ids.",
+    )
+    p.add_argument("directory", type=Path, metavar="DIR", help="where to write it (made if new)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="write into a DIR that is not empty (the export's own files are replaced)",
+    )
+    p.set_defaults(handler=cmd_export_hf)
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    """`kvtui load URL`: a bounded load on a server; a summary, or `--json`."""
+    from kvtui.engines.vllm.client import ServerURL
+    from kvtui.engines.vllm.load import LoadPlan, format_result, run_load
+
+    try:
+        url = ServerURL.parse(args.url)
+        plan = LoadPlan(
+            url,
+            concurrency=args.concurrency,
+            prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens,
+            requests=args.requests or args.concurrency,
+            seconds=args.seconds,
+            shared_prefix_tokens=args.shared_prefix,
+            seed=args.seed,
+        )
+        if plan.shared_prefix_tokens > plan.prompt_tokens:
+            raise UsageError(
+                "kvtui load: error: argument --shared-prefix: at most --prompt-tokens "
+                f"({plan.prompt_tokens:,}), not {plan.shared_prefix_tokens:,}"
+            )
+        tty = sys.stderr.isatty()
+
+        def progress(result: Any, open_requests: int) -> None:
+            if tty:
+                print(
+                    f"\r{result.done + result.failed + result.cut:,}/{plan.requests:,} "
+                    f"requests done, {open_requests} open, {result.tokens:,} tokens, "
+                    f"{result.seconds:.0f} s   ",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
+        try:
+            result = run_load(plan, progress=progress)
+        finally:
+            if tty:
+                print("\r", end="", file=sys.stderr)
+    except EngineError as exc:
+        raise UsageError(f"kvtui load: {exc}") from None
+    if args.json:
+        print_json(result.to_json())
+    else:
+        print(safe_text(format_result(result)))
+    return 0
+
+
+def add_load(subparsers: Any) -> None:
+    from kvtui.engines.vllm.load import (
+        DEFAULT_SECONDS,
+        MAX_CONCURRENCY,
+        MAX_NEW_TOKENS,
+        MAX_PROMPT_TOKENS,
+        MAX_REQUESTS,
+        MAX_SECONDS,
+    )
+
+    p = subparsers.add_parser(
+        "load",
+        help="put a bounded load on a vLLM server, to fill its KV cache (stops by itself)",
+        description="N requests at a time of P prompt tokens and T generated tokens each "
+        "(end-of-sequence ignored), to a vLLM (OpenAI-compatible) server: it fills the server's "
+        "KV cache, and past it requests wait and are preempted. Stops after --requests or "
+        "--seconds, whichever comes first.",
+    )
+    p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--concurrency",
+        type=int_in(1, MAX_CONCURRENCY),
+        required=True,
+        metavar="N",
+        help=f"requests at a time (at most {MAX_CONCURRENCY})",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int_in(1, MAX_PROMPT_TOKENS),
+        required=True,
+        metavar="P",
+        help=f"prompt tokens of each request (at most {MAX_PROMPT_TOKENS:,})",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int_in(1, MAX_NEW_TOKENS),
+        required=True,
+        metavar="T",
+        help=f"tokens each request generates, end-of-sequence ignored (at most "
+        f"{MAX_NEW_TOKENS:,}); P + T at most the server's max_model_len",
+    )
+    p.add_argument(
+        "--requests",
+        type=int_in(1, MAX_REQUESTS),
+        default=None,
+        metavar="R",
+        help=f"requests in all (default N, one wave; at most {MAX_REQUESTS:,})",
+    )
+    p.add_argument(
+        "--seconds",
+        type=float_in(0.1, MAX_SECONDS),
+        default=DEFAULT_SECONDS,
+        metavar="S",
+        help=f"wall-time limit: open requests are closed then (default {DEFAULT_SECONDS:g}, at "
+        f"most {MAX_SECONDS:g})",
+    )
+    p.add_argument(
+        "--shared-prefix",
+        type=int_in(0, MAX_PROMPT_TOKENS),
+        default=0,
+        metavar="TOKENS",
+        help="prompt tokens every request shares at its start, for the prefix cache (default 0)",
+    )
+    p.add_argument(
+        "--seed", type=int_in(0, 2**31 - 1), default=0, help="seed of the prompts (default 0)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_load)

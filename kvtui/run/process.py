@@ -1,0 +1,381 @@
+"""The decode engine in a process of its own, and the UI's handle on it. No torch in the parent.
+
+A torch decode thread and a Textual UI in one process fight for the GIL: in a trial on a 2-core
+machine decode fell from ~330 to ~157 tokens/s and the 99th-percentile step rose to 65 ms. So the
+engine runs as `python -m kvtui.engines.child`: the parent writes the `RunSettings` as one JSON
+line on the child's stdin, then `pause`, `resume` or `stop` lines; the child writes each event as
+one JSON line on its stdout. A CUDA failure stays in the child.
+(`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
+fds_to_keep"; a plain `subprocess.Popen` with pipes does not.)
+
+The child runs no code from where the app was started: it starts isolated (`python -I`: neither
+the current directory nor PYTHONPATH on `sys.path`, no PYTHON* variables), in `/`, and imports
+kvtui from the very folder this module came from (`child_command`). A `json.py` or `torch.py` in
+the directory the app was started from is never imported; relative `replay:` and `hf:` paths are
+made absolute before the settings are sent. The user's own site-packages (`pip install --user`),
+which `-I` also drops, is added back when this process uses it: it is where torch may be, and
+it does not depend on the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import IO, Any
+
+from kvtui.engines.factory import parse_engine
+from kvtui.engines.protocol import (
+    Event,
+    RunFailed,
+    RunSettings,
+    event_from_json,
+)
+from kvtui.engines.vllm.load import LoadPlan
+from kvtui.format import safe_text
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+"""The kvtui package this module belongs to: the child imports this one, whatever is installed."""
+
+_BOOTSTRAP = """\
+import importlib.util, site, sys
+for folder in {user_sites!r}:
+    site.addsitedir(folder)
+spec = importlib.util.spec_from_file_location(
+    "kvtui", {init!r}, submodule_search_locations=[{package!r}]
+)
+kvtui = importlib.util.module_from_spec(spec)
+sys.modules["kvtui"] = kvtui
+spec.loader.exec_module(kvtui)
+{main}
+"""
+
+ENGINE_MAIN = "from kvtui.engines.child import child_main\nraise SystemExit(child_main())"
+"""What the engine's child runs, once kvtui is imported."""
+WARM_ENGINE_MAIN = ENGINE_MAIN.replace("child_main()", "child_main(warm=True)")
+"""What a spare engine child runs (`WarmChild`): a torch engine made ready before its settings."""
+
+
+def child_command(main: str = ENGINE_MAIN) -> list[str]:
+    """The engine's command line: isolated mode (`-I`), unbuffered (`-u`), and a bootstrap that
+    imports kvtui from `_PACKAGE` by its path, not by searching `sys.path`, then runs `main`
+    (the engine's loop; `kvtui load` for the app's load, kvtui.engines.vllm.load.LoadProcess)."""
+    code = _BOOTSTRAP.format(
+        init=str(_PACKAGE / "__init__.py"),
+        package=str(_PACKAGE),
+        user_sites=_user_sites(),
+        main=main,
+    )
+    return [sys.executable, "-I", "-u", "-c", code]
+
+
+def _user_sites() -> list[str]:
+    """The user's site-packages, if this process has it on its path (never outside a venv's)."""
+    import site
+
+    if not site.ENABLE_USER_SITE:
+        return []
+    user = site.getusersitepackages()
+    return [user] if isinstance(user, str) and user in sys.path else []
+
+
+CHILD_CWD = os.path.abspath(os.sep)
+"""The child's working directory: the file system's root, so nothing relative is found by luck."""
+
+
+def absolute_paths(settings: RunSettings) -> RunSettings:
+    """The settings with a relative `replay:` or `hf:` path made absolute (from this process's
+    working directory), since the child runs in CHILD_CWD. A malformed name is left for the
+    child to refuse."""
+    try:
+        spec = parse_engine(settings.engine)
+    except ValueError:
+        return settings
+    if spec.path is None or spec.path.is_absolute():
+        return settings
+    return replace(settings, engine=f"{spec.kind}:{spec.path.absolute()}")
+
+
+def _spawn(*, warm: bool) -> tuple[subprocess.Popen[str], IO[str]]:
+    """An engine's child process, and the file its stderr goes to."""
+    stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
+    proc = subprocess.Popen(
+        child_command(WARM_ENGINE_MAIN if warm else ENGINE_MAIN),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        encoding="utf-8",
+        bufsize=1,
+        cwd=CHILD_CWD,
+        start_new_session=True,  # the terminal's Ctrl-C goes to the UI, which stops us cleanly
+    )
+    return proc, stderr
+
+
+class WarmChild:
+    """An engine's child process started ahead of its run: it imports torch and readies the FLOP
+    counter (seconds of a torch engine's start) while nothing runs, then waits for settings on
+    its stdin. `EngineProcess` adopts it for the next run."""
+
+    def __init__(self) -> None:
+        self.proc, self.stderr = _spawn(warm=True)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        """End it unused: EOF on its stdin ends it; it is killed if it does not go at once."""
+        with contextlib.suppress(OSError, ValueError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(0.5)
+        end_process(self.proc, 0.5, (self.proc.stdout, self.stderr))
+
+
+def end_process(proc: subprocess.Popen[Any], grace_s: float, streams: Iterable[Any] = ()) -> None:
+    """End a child of kvtui's that is still running (SIGTERM, then SIGKILL after `grace_s`),
+    reap it, and close its `streams`: the one way the engine, a spare, the tricks' table and a
+    load are ended."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for stream in streams:
+        with contextlib.suppress(OSError, ValueError):
+            if stream is not None:
+                stream.close()
+
+
+TORCH_KINDS = ("tiny", "shape", "hf")
+"""Engine kinds whose process imports torch: the ones a spare (`WarmChild`) speeds up."""
+
+
+def runs_torch(settings: RunSettings) -> bool:
+    """Whether `settings` name a torch engine (a malformed name: no)."""
+    try:
+        return parse_engine(settings.engine).kind in TORCH_KINDS
+    except ValueError:
+        return False
+
+
+class Engines:
+    """The app's engine factory: an `EngineProcess` per run, adopting the spare child `prepare`
+    started ahead, so that a torch engine after `l` or `r` skips importing torch (seconds of
+    dead air). A spare is started only between runs, never beside a run's timed steps."""
+
+    def __init__(self) -> None:
+        self._spare: WarmChild | None = None
+
+    @property
+    def spare(self) -> WarmChild | None:
+        """The child started ahead for the next run, if there is one."""
+        return self._spare
+
+    def __call__(self, settings: RunSettings) -> EngineProcess:
+        spare, self._spare = self._spare, None
+        if spare is not None and not (spare.alive and runs_torch(settings)):
+            spare.close()
+            spare = None
+        return EngineProcess(settings, spare=spare)
+
+    def prepare(self, settings: RunSettings) -> None:
+        """Start a spare for the next run, if `settings` name a torch engine and none is ready."""
+        if self._spare is None and runs_torch(settings):
+            self._spare = WarmChild()
+
+    def close(self) -> None:
+        """End the spare, if any (quitting)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+
+
+class EngineProcess:
+    """A run in a child process: start it, read its events, pause, resume, stop, close."""
+
+    def __init__(self, settings: RunSettings, *, spare: WarmChild | None = None) -> None:
+        self.settings = settings
+        self._spare = spare
+        """A child started ahead, warm, for `start` to adopt instead of starting one."""
+        self._proc: subprocess.Popen[str] | None = None
+        self._stderr: IO[str] | None = None
+        """The child's stderr, for the reason it died: made with the child, closed with it (an
+        engine made and never started holds no file)."""
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.alive:
+            self._proc, self._stderr = spare.proc, spare.stderr
+        else:
+            if spare is not None:
+                spare.close()
+            self._proc, self._stderr = _spawn(warm=False)
+        self._send(json.dumps(absolute_paths(self.settings).to_json()))
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        """The child's exit status once it has exited (negative: killed by that signal)."""
+        return self._proc.poll() if self._proc else None
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None or self._proc.stdin is None:
+                return
+            with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+                self._proc.stdin.write(line + "\n")
+                self._proc.stdin.flush()
+
+    def pause(self) -> None:
+        self._send("pause")
+
+    def resume(self) -> None:
+        self._send("resume")
+
+    def stop(self) -> None:
+        self._send("stop")
+
+    def events(self) -> Iterator[Event]:
+        """Events as the child writes them; ends when it exits. A child that dies without
+        finishing yields a last `RunFailed` with the reason."""
+        if self._proc is None or self._proc.stdout is None:
+            raise RuntimeError("start() first")
+        finished = False
+        for line in self._proc.stdout:
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # stray output (a library's print below Python): not ours
+            try:
+                event = event_from_json(data)
+            except ValueError as exc:  # ours, but not what this UI reads: the run is lost
+                self.stop()
+                why = safe_text(str(exc), one_line=True)
+                yield RunFailed(f"the engine sent an event this kvtui cannot read: {why}")
+                return
+            finished = finished or isinstance(event, RunFailed)
+            yield event
+        code = self._proc.wait()
+        if code != 0 and not finished:
+            yield RunFailed(self._death_message(code))
+
+    def _death_message(self, code: int) -> str:
+        lines = []
+        if self._stderr is not None:
+            self._stderr.seek(0)
+            lines = [line.strip() for line in self._stderr.read().splitlines() if line.strip()]
+        why = lines[-1] if lines else ""
+        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        return f"decode engine {how}" + (f": {safe_text(why, one_line=True)}" if why else "")
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the child and reap it: a polite stop, then terminate, then kill (a run closed
+        before it started ends the spare it was given)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            self.stop()
+            with contextlib.suppress(OSError, ValueError):
+                if proc.stdin is not None:  # always a pipe (`start`)
+                    proc.stdin.close()  # EOF stops the child too
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout / 2)
+        end_process(proc, timeout / 2, (proc.stdout, proc.stdin, self._stderr))
+
+
+class LoadProcess:
+    """`kvtui load` in a process of its own, started from the app (`f` on screen 3): the load's
+    threads never share the UI's interpreter, it is bounded as the command is, and closing it
+    (a restart, quitting) ends it and, with its connections, its requests on the server."""
+
+    def __init__(self, plan: LoadPlan) -> None:
+        self.plan = plan
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._out: IO[bytes] | None = None
+        self._err: IO[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        """The `kvtui load` command line of the plan."""
+        p = self.plan
+        return [
+            "load",
+            str(p.url),
+            f"--concurrency={p.concurrency}",
+            f"--prompt-tokens={p.prompt_tokens}",
+            f"--max-tokens={p.max_tokens}",
+            f"--requests={p.requests}",
+            f"--seconds={p.seconds:g}",
+            f"--shared-prefix={p.shared_prefix_tokens}",
+            f"--seed={p.seed}",
+            "--json",
+        ]
+
+    def start(self) -> None:
+        main = f"from kvtui.cli import main\nraise SystemExit(main({self.argv()!r}))"
+        self._out = tempfile.TemporaryFile()  # noqa: SIM115
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            child_command(main),
+            stdin=subprocess.DEVNULL,
+            stdout=self._out,
+            stderr=self._err,
+            cwd=CHILD_CWD,
+            start_new_session=True,
+        )
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def outcome(self) -> str:
+        """What the load did, in a line, once it has ended (its JSON's figures, or why it
+        failed); empty while it runs."""
+        proc = self._proc
+        if proc is None or proc.poll() is None or self._out is None or self._err is None:
+            return ""
+        self._out.seek(0)
+        try:
+            r = json.loads(self._out.read(MAX_OUTPUT_BYTES))
+            return (
+                f"{r['done']:,} of {r['requests']:,} requests done ({r['cut']:,} cut short, "
+                f"{r['failed']:,} failed), {r['tokens']:,} tokens in {r['seconds']:.1f} s"
+            )
+        except (ValueError, KeyError, TypeError):
+            self._err.seek(0)
+            lines = self._err.read(MAX_OUTPUT_BYTES).decode("utf-8", "replace").splitlines()
+            return lines[-1].strip() if lines else f"the load exited with status {proc.returncode}"
+
+    def close(self, timeout: float = 2.0) -> None:
+        """End the load now (its requests are closed) and reap it."""
+        if self._proc is not None:
+            end_process(self._proc, timeout, (self._out, self._err))
+        self._out = self._err = None
+
+
+MAX_OUTPUT_BYTES = 2**20
+"""The most of a load process's output read back."""

@@ -1,0 +1,406 @@
+"""One run's figures, folded once from its events, without a UI.
+
+A run's events (kvtui.engines.protocol: one `RunStarted`, the `StepSample`s of one or both loops,
+a `RunFinished` per loop, or a `RunFailed`) go one at a time into `RunSummary.apply`. The screens
+(kvtui.run.live.LiveRun) and `kvtui bench` both read their figures from it, so each figure is
+worked out in one place:
+
+- per loop (`LoopSummary`): steps, positions computed, the first step's time and the later steps'
+  mean, tokens per second of each sequence and of all of them, the bandwidth the steps imply
+  (the formula's bytes read over the measured time), FLOPs torch counted on the sampled steps
+  against the formula's for the same steps, and the KV cache filled and allocated;
+- per run (`RunSummary`): the KV cache by kvtui.sim.memory.kv_bytes (sliding windows cap a
+  layer's positions) and whether the measured bytes equal it, the first step at which the two
+  loops chose different tokens, and the speedups over the steps both loops have done.
+
+Counts are the whole batch's, as the protocol's: `batch` B sequences' positions, FLOPs and bytes;
+`positions_cumulative` alone is per sequence (the lesson's staircase). Each step is kept as six
+numbers in arrays (48 bytes), so a run of MAX_TOKENS steps a loop stays a few MiB.
+"""
+
+from __future__ import annotations
+
+import statistics
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvtui.engines.factory import parse_engine
+from kvtui.engines.protocol import (
+    LOOPS,
+    Event,
+    Loop,
+    RunFailed,
+    RunFinished,
+    RunStarted,
+    ServerMetrics,
+    StepSample,
+)
+from kvtui.run.serving import ServerWatch
+from kvtui.sim.catalog import ModelSpec, get_model
+from kvtui.sim.hf_config import model_from_hf_config
+from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
+from kvtui.sim.parallel import shard
+from kvtui.sim.tricks import positions_held
+
+RECENT_STEPS = 64
+"""Later steps whose bandwidth `LoopSummary.recent_bandwidth_bytes_per_s` takes the median of."""
+
+
+@dataclass
+class LoopSummary:
+    """One loop's steps so far, as columns of numbers, and the figures made of them (seconds,
+    bytes, positions; None where a figure has nothing to stand on yet)."""
+
+    loop: Loop
+    batch: int = 1
+    """Sequences each step's counts cover."""
+    token_ids: array[int] = field(default_factory=lambda: array("q"))
+    """Row 0's token of each step."""
+    step_seconds: array[float] = field(default_factory=lambda: array("d"))
+    seconds_cumulative: array[float] = field(default_factory=lambda: array("d"))
+    """Seconds after each step, summed from the first."""
+    positions_cumulative: array[int] = field(default_factory=lambda: array("q"))
+    """Positions computed after each step, summed from the first, per sequence (the engine's
+    count over the batch, divided by it)."""
+    positions_computed: int = 0
+    """Positions computed over every step, every sequence's."""
+    first_positions: int = 0
+    """Positions the first step computed, every sequence's: the prompt (a prefill, cached)."""
+    bandwidth: array[float] = field(default_factory=lambda: array("d"))
+    """Bytes read by the formula per measured second, of each timed step after the first."""
+    intensity: array[float] = field(default_factory=lambda: array("d"))
+    """FLOPs per byte read, both by the formula, of each step after the first that reads."""
+    flops_counted: int | None = None
+    """FLOPs torch's FlopCounterMode counted, summed over the sampled steps (None: none was)."""
+    flops_formula: int = 0
+    """FLOPs of the same sampled steps by the formula (kvtui.sim.work.step_cost)."""
+    flops_sampled_steps: int = 0
+    last: StepSample | None = None
+    finished: RunFinished | None = None
+
+    def add(self, sample: StepSample, batch: int = 1) -> None:
+        """Fold one step of this loop in (`batch`: sequences each of its counts covers)."""
+        self.batch = batch
+        later = bool(self.step_seconds)
+        self.token_ids.append(sample.token_id)
+        self.step_seconds.append(sample.step_seconds)
+        self.seconds_cumulative.append(self.seconds_total + sample.step_seconds)
+        done = self.positions_cumulative[-1] if later else 0
+        self.positions_cumulative.append(done + sample.positions_computed // batch)
+        self.positions_computed += sample.positions_computed
+        if not later:
+            self.first_positions = sample.positions_computed
+        else:
+            if sample.step_seconds > 0:
+                self.bandwidth.append(sample.bytes_read / sample.step_seconds)
+            if sample.bytes_read > 0:
+                self.intensity.append(sample.flops / sample.bytes_read)
+        if sample.flops_counted is not None:
+            self.flops_counted = (self.flops_counted or 0) + sample.flops_counted
+            self.flops_formula += sample.flops
+            self.flops_sampled_steps += 1
+        self.last = sample
+
+    # --- steps and time ------------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_seconds)
+
+    @property
+    def seconds_total(self) -> float:
+        return self.seconds_cumulative[-1] if self.seconds_cumulative else 0.0
+
+    @property
+    def last_positions(self) -> int:
+        """Positions the newest step computed, per sequence."""
+        n = len(self.positions_cumulative)
+        if n == 0:
+            return 0
+        return self.positions_cumulative[-1] - (self.positions_cumulative[-2] if n > 1 else 0)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token: the first step (the prompt's pass; a prefill, cached)."""
+        return self.step_seconds[0] if self.step_seconds else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: the later steps' mean (the whole batch's)."""
+        later = self.steps - 1
+        return (self.seconds_total - self.step_seconds[0]) / later if later > 0 else None
+
+    def tpot_over(self, steps: int) -> float | None:
+        """The mean time of the first `steps` steps after the first (all of them, if fewer): a
+        step's time grows with the context it reads, so runs of different lengths compare their
+        speed over the same steps."""
+        later = self.step_seconds[1 : steps + 1]
+        return sum(later) / len(later) if later else None
+
+    @property
+    def tokens_per_s_per_sequence(self) -> float | None:
+        """Steps per second: each sequence gets one token a step."""
+        total = self.seconds_total
+        return self.steps / total if self.steps and total > 0 else None
+
+    @property
+    def tokens_per_s_total(self) -> float | None:
+        """Tokens per second of all the batch's sequences together."""
+        each = self.tokens_per_s_per_sequence
+        return self.batch * each if each is not None else None
+
+    @property
+    def first_step_positions_per_s(self) -> float | None:
+        """Positions the first step computed per second, every sequence's (a prefill reads the
+        whole prompt in one pass)."""
+        first = self.ttft_s
+        return self.first_positions / first if first else None
+
+    @property
+    def later_step_positions_per_s(self) -> float | None:
+        """Positions the later steps computed per second, every sequence's."""
+        if self.steps < 2:
+            return None
+        seconds = self.seconds_total - self.step_seconds[0]
+        work = self.positions_computed - self.first_positions
+        return work / seconds if seconds > 0 else None
+
+    def step_seconds_quantile(self, q: float) -> float | None:
+        """The step time below which a share `q` of the steps fall (nearest rank, 0 <= q < 1)."""
+        if not self.step_seconds:
+            return None
+        ordered = sorted(self.step_seconds)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    @property
+    def step_seconds_p50(self) -> float | None:
+        return statistics.median(self.step_seconds) if self.step_seconds else None
+
+    @property
+    def step_seconds_first_quartile(self) -> float | None:
+        """The median of the first quarter of the steps (at least one)."""
+        if not self.step_seconds:
+            return None
+        return statistics.median(self.step_seconds[: max(1, self.steps // 4)])
+
+    @property
+    def step_seconds_last_quartile(self) -> float | None:
+        """The median of the last quarter of the steps (at least one)."""
+        if not self.step_seconds:
+            return None
+        return statistics.median(self.step_seconds[-max(1, self.steps // 4) :])
+
+    @property
+    def seconds_per_position(self) -> float | None:
+        """Least-squares slope of the later steps' time against their position (each step's
+        position is the one before's plus one): how much longer each step takes than the last."""
+        ys = self.step_seconds[1:]
+        if len(ys) < 2:
+            return None
+        xs = range(len(ys))
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+
+    # --- bytes and FLOPs -----------------------------------------------------------------------
+
+    @property
+    def bandwidth_bytes_per_s(self) -> float | None:
+        """The median bandwidth of the later steps: the formula's bytes read over the measured
+        time (the first step, a prefill in the cached loop, reads another way)."""
+        return statistics.median(self.bandwidth) if self.bandwidth else None
+
+    def recent_bandwidth_bytes_per_s(self, steps: int = RECENT_STEPS) -> float | None:
+        """As `bandwidth_bytes_per_s`, over the newest `steps` later steps only."""
+        return statistics.median(self.bandwidth[-steps:]) if self.bandwidth else None
+
+    @property
+    def flops_per_byte(self) -> float | None:
+        """The later steps' mean arithmetic intensity, by the formula."""
+        return statistics.fmean(self.intensity) if self.intensity else None
+
+    @property
+    def flops_ratio(self) -> float | None:
+        """FLOPs counted over the formula's, on the sampled steps: 1 when the model computed
+        what the lesson says."""
+        if self.flops_counted is None or not self.flops_formula:
+            return None
+        return self.flops_counted / self.flops_formula
+
+    @property
+    def kv_bytes_filled(self) -> int | None:
+        """KV bytes of the positions written, every sequence's: as the loop's end measured them,
+        else after its newest step; None before either."""
+        finished = self.finished
+        if finished is not None and finished.kv_bytes_filled is not None:
+            return finished.kv_bytes_filled
+        return self.last.kv_bytes if self.last is not None else None
+
+    @property
+    def kv_bytes_allocated(self) -> int | None:
+        """KV bytes allocated (whole blocks), as `kv_bytes_filled` is read."""
+        finished = self.finished
+        if finished is not None and finished.kv_bytes_allocated is not None:
+            return finished.kv_bytes_allocated
+        return self.last.kv_bytes_allocated if self.last is not None else None
+
+    @property
+    def cached_positions(self) -> int:
+        """Positions each sequence's cache holds after the newest step: every one before the new
+        token (its own keys and values are written when it is fed back in, at the next step)."""
+        return self.last.position if self.last is not None else 0
+
+
+@dataclass
+class RunSummary:
+    """A run folded from its events, one at a time (`apply`), as far as it has got."""
+
+    spec: ModelSpec | None = None
+    """The shape whose sliding windows the KV formula caps positions by; None: looked up from
+    the engine's name when the run starts (`windowed_spec`)."""
+    started: RunStarted | None = None
+    loops: dict[str, LoopSummary] = field(
+        default_factory=lambda: {loop: LoopSummary(loop) for loop in LOOPS}
+    )
+    failure: str = ""
+    """A RunFailed's message (empty unless the run failed)."""
+    server: ServerWatch = field(default_factory=ServerWatch)
+    """A served run's (`vllm:`) server figures, as its polls reported them."""
+    first_divergence: int | None = None
+    """The first step at which the two loops chose different tokens; None while none has."""
+    _kv_spec: ModelSpec | None = field(default=None, init=False, repr=False)
+    _checked: int = field(default=0, init=False, repr=False)
+    """Steps whose tokens have been compared (both loops had made them)."""
+
+    def apply(self, event: Event) -> None:
+        """Fold one engine event in."""
+        if isinstance(event, StepSample):
+            self.loops[event.loop].add(event, self.batch)
+            self._compare()
+        elif isinstance(event, RunStarted):
+            self.started = event
+            self._kv_spec = _checked_spec(self.spec or windowed_spec(event), event)
+        elif isinstance(event, RunFinished):
+            self.loops[event.loop].finished = event
+        elif isinstance(event, RunFailed):
+            self.failure = event.message
+        elif isinstance(event, ServerMetrics):
+            self.server.add(event)
+
+    def _compare(self) -> None:
+        """Compare the tokens of the steps both loops have newly made (each step once)."""
+        a, b = self.loops["uncached"].token_ids, self.loops["cached"].token_ids
+        n = min(len(a), len(b))
+        while self.first_divergence is None and self._checked < n:
+            if a[self._checked] != b[self._checked]:
+                self.first_divergence = self._checked
+            self._checked += 1
+
+    def loop(self, name: Loop) -> LoopSummary:
+        return self.loops[name]
+
+    @property
+    def batch(self) -> int:
+        """Sequences decoded together (1 before the run starts)."""
+        return self.started.batch if self.started else 1
+
+    # --- both loops over the same steps --------------------------------------------------------
+
+    @property
+    def compared_steps(self) -> int:
+        """Steps that both loops have made."""
+        return min(self.loops["uncached"].steps, self.loops["cached"].steps)
+
+    @property
+    def identical(self) -> bool:
+        """Both loops made steps and chose the same tokens over all they both made."""
+        return self.compared_steps > 0 and self.first_divergence is None
+
+    def work_over(self, steps: int) -> tuple[int, int]:
+        """Positions the uncached and the cached loop computed over their first `steps` steps,
+        per sequence (both loops must have run that far)."""
+        if steps == 0:
+            return 0, 0
+        return (
+            self.loops["uncached"].positions_cumulative[steps - 1],
+            self.loops["cached"].positions_cumulative[steps - 1],
+        )
+
+    def positions_speedup(self) -> float | None:
+        """Uncached over cached positions computed, over the steps both loops have made."""
+        uncached, cached = self.work_over(self.compared_steps)
+        return uncached / cached if cached else None
+
+    def wall_speedup(self) -> float | None:
+        """Uncached over cached seconds, over the steps both loops have made."""
+        n = self.compared_steps
+        if n == 0:
+            return None
+        uncached = self.loops["uncached"].seconds_cumulative[n - 1]
+        cached = self.loops["cached"].seconds_cumulative[n - 1]
+        return uncached / cached if cached > 0 and uncached > 0 else None
+
+    # --- the KV cache against its formula ------------------------------------------------------
+
+    def kv_bytes_formula(self, loop: Loop = "cached") -> int | None:
+        """The KV bytes a loop's cache should hold after its newest step, every sequence's: by
+        kvtui.sim.memory.kv_bytes for the engine's shape where its windows are known (a sliding
+        layer keeps at most its window), else the run's bytes per token x positions x batch.
+        None for the uncached loop (it keeps no cache) and before a step."""
+        trace = self.loops[loop]
+        started = self.started
+        if loop != "cached" or started is None or trace.last is None or started.served_by:
+            return None  # a served run's cache is the server's: kvtui holds none of it
+        positions = trace.cached_positions
+        layout = started.layout
+        if not layout.paged_as_is:  # a window or shared blocks: the positions it holds
+            held = positions_held(layout, positions, started.batch, started.kv_shared_tokens)
+            return held * started.kv_bytes_per_token
+        if self._kv_spec is not None:
+            return kv_bytes(self._kv_spec, positions, started.batch, started.dtype)
+        return started.batch * started.kv_bytes_per_token * positions
+
+    def kv_matches_formula(self, loop: Loop = "cached") -> bool | None:
+        """Whether a loop's filled KV bytes equal the formula's; None with nothing to compare."""
+        formula, filled = self.kv_bytes_formula(loop), self.loops[loop].kv_bytes_filled
+        return None if formula is None or filled is None else filled == formula
+
+
+def windowed_spec(started: RunStarted) -> ModelSpec | None:
+    """The shape of the engine that sent `started`, where one of its layers keeps a sliding
+    window, found from the engine's name without loading anything: `sim:MODEL@GPU`'s catalog
+    model (one GPU's share), `hf:DIR`'s config.json. None otherwise: kvtui's own decoder (`tiny`,
+    `shape:`) keeps every position in every layer, and a name that no longer resolves (a replay
+    of a moved model) is counted without windows."""
+    try:
+        engine = parse_engine(started.engine)
+        if engine.kind == "sim" and engine.model:
+            spec = shard(get_model(engine.model), engine.gpus)
+        elif engine.kind == "hf" and engine.path is not None:
+            spec = model_from_hf_config(engine.path / "config.json")
+        else:
+            return None
+    except (ValueError, OSError):  # EngineError, ConfigError, UnknownNameError: no shape
+        return None
+    return spec if spec.sliding_window is not None else None
+
+
+def _checked_spec(spec: ModelSpec | None, started: RunStarted) -> ModelSpec | None:
+    """`spec` if it describes the run's cache (the same KV bytes per token in the run's dtype),
+    else None: a formula of another shape would report a mismatch the engine did not make."""
+    if spec is None:
+        return None
+    try:
+        same = kv_bytes_per_token(spec, started.dtype) == started.kv_bytes_per_token
+    except (ValueError, KeyError):  # a dtype kvtui does not know
+        return None
+    return spec if same else None
+
+
+def summarize_events(events: Iterable[Event], spec: ModelSpec | None = None) -> RunSummary:
+    """A whole run's events, folded."""
+    summary = RunSummary(spec=spec)
+    for event in events:
+        summary.apply(event)
+    return summary

@@ -1,0 +1,316 @@
+"""kvtui.run.summary: one fold of a run's events, over synthetic runs with exact figures.
+
+The toy run: a 3-token prompt, 2 layers of 1 KV head of head_dim 4 in fp32, so a position's keys
+and values are 2 x 2 x 1 x 4 x 4 = 64 bytes. Step times are powers of two, so that every sum and
+rate below is exact in floating point.
+"""
+
+import json
+
+import pytest
+
+from kvtui.engines.protocol import (
+    RunFailed,
+    RunFinished,
+    RunSettings,
+    RunStarted,
+    StepSample,
+)
+from kvtui.engines.replay import RecordWriter
+from kvtui.reports.bench import format_table, run_bench
+from kvtui.run.live import LiveRun
+from kvtui.run.summary import RunSummary, summarize_events, windowed_spec
+from kvtui.sim.catalog import ModelSpec
+from kvtui.sim.memory import kv_bytes
+
+P = 3
+PER_TOKEN = 64
+WEIGHTS = 1000
+
+SLIDING = ModelSpec(
+    name="toy-sliding",
+    layers=2,
+    heads=1,
+    kv_heads=1,
+    head_dim=4,
+    hidden_size=4,
+    intermediate_size=8,
+    vocab_size=16,
+    params=WEIGHTS // 4,
+    max_context=64,
+    sliding_window=4,
+    sliding_layers=(0,),
+)
+"""Layer 0 keeps the last 4 positions, layer 1 all of them: 32 bytes per position per layer."""
+
+
+def started(tokens: int = 6, batch: int = 1, engine: str = "tiny") -> RunStarted:
+    return RunStarted(
+        engine=engine,
+        model="toy",
+        device="cpu",
+        dtype="fp32",
+        layers=2,
+        kv_heads=1,
+        head_dim=4,
+        kv_bytes_per_token=PER_TOKEN,
+        weights_bytes=WEIGHTS,
+        prompt_tokens=P,
+        tokens=tokens,
+        timing="measured",
+        batch=batch,
+        kv_capacity_bytes=64 * PER_TOKEN,
+        kv_block_tokens=4,
+    )
+
+
+def step(
+    loop: str,
+    i: int,
+    seconds: float,
+    *,
+    batch: int = 1,
+    token: int | None = None,
+    windows: ModelSpec | None = None,
+    counted: int | None = None,
+) -> StepSample:
+    """Step `i` by the counting rule: cached P then 1 position, uncached P + i; 10 FLOPs a
+    position; the weights read once plus the cache; KV bytes for the P + i positions cached."""
+    computed = batch * ((P if i == 0 else 1) if loop == "cached" else P + i)
+    cached = P + i if loop == "cached" else 0
+    held = kv_bytes(windows, cached, batch, "fp32") if windows else batch * PER_TOKEN * cached
+    return StepSample(
+        loop=loop,
+        step=i,
+        position=P + i,
+        token_id=100 + i if token is None else token,
+        text="ab"[i % 2],
+        positions_computed=computed,
+        flops=10 * computed,
+        bytes_read=WEIGHTS + held,
+        step_seconds=seconds,
+        kv_bytes=held,
+        kv_bytes_allocated=batch * -(-cached // 4) * 4 * PER_TOKEN,
+        flops_counted=counted,
+    )
+
+
+def run(tokens: int = 6, batch: int = 1, **kw) -> list:
+    """Both loops, cached steps of 1/4 s after a 1/2 s prefill, uncached steps of 1/2 s."""
+    events: list = [started(tokens, batch)]
+    for loop, first, later in (("cached", 0.5, 0.25), ("uncached", 0.5, 0.5)):
+        events += [
+            step(loop, i, first if i == 0 else later, batch=batch, **kw) for i in range(tokens)
+        ]
+        events.append(RunFinished(loop, "done", tokens))
+    return events
+
+
+def test_positions_and_steps_per_loop():
+    s = summarize_events(run(tokens=6, batch=2))
+    cached, uncached = s.loop("cached"), s.loop("uncached")
+    assert cached.steps == uncached.steps == s.compared_steps == 6
+    # cached: P + 5 per sequence, 2 sequences; uncached: sum of P + i for i < 6 = 33, twice
+    assert cached.positions_computed == 2 * 8 and uncached.positions_computed == 2 * 33
+    assert cached.first_positions == 2 * P and uncached.first_positions == 2 * P
+    assert list(cached.positions_cumulative) == [3, 4, 5, 6, 7, 8]  # per sequence
+    assert list(uncached.positions_cumulative) == [3, 7, 12, 18, 25, 33]
+    assert cached.last_positions == 1 and uncached.last_positions == 8
+    assert s.work_over(6) == (33, 8) and s.work_over(2) == (7, 4) and s.work_over(0) == (0, 0)
+    assert s.positions_speedup() == 33 / 8
+
+
+def test_first_and_later_step_times_and_rates():
+    s = summarize_events(run(tokens=5, batch=2))
+    cached = s.loop("cached")
+    assert cached.seconds_total == 0.5 + 4 * 0.25 == list(cached.seconds_cumulative)[-1]
+    assert cached.ttft_s == 0.5 and cached.tpot_s == 0.25
+    assert cached.tokens_per_s_per_sequence == 5 / 1.5
+    assert cached.tokens_per_s_total == 2 * 5 / 1.5
+    assert cached.first_step_positions_per_s == 2 * P / 0.5  # the prefill, both sequences
+    assert cached.later_step_positions_per_s == 2 / 0.25  # one position a step, each
+    assert cached.step_seconds_p50 == 0.25 and cached.step_seconds_quantile(0.99) == 0.5
+    assert cached.step_seconds_first_quartile == 0.5 and cached.step_seconds_last_quartile == 0.25
+    assert cached.seconds_per_position == 0  # flat after the prefill
+    assert s.wall_speedup() == (5 * 0.5) / 1.5
+
+
+def test_no_steps_means_no_figures():
+    s = RunSummary()
+    s.apply(started())
+    cached = s.loop("cached")
+    assert cached.steps == 0 and cached.ttft_s is None and cached.tpot_s is None
+    assert cached.tokens_per_s_per_sequence is None and cached.bandwidth_bytes_per_s is None
+    assert cached.flops_counted is None and cached.flops_ratio is None
+    assert s.kv_bytes_formula() is None and s.kv_matches_formula() is None
+    assert s.wall_speedup() is None and s.positions_speedup() is None and not s.identical
+
+
+def test_bandwidth_is_formula_bytes_over_measured_time_after_the_first_step():
+    s = summarize_events(run(tokens=4))
+    cached = s.loop("cached")
+    # steps 1..3 read the weights and P + i positions' keys and values, in 1/4 s each
+    rates = [(WEIGHTS + PER_TOKEN * (P + i)) / 0.25 for i in (1, 2, 3)]
+    assert list(cached.bandwidth) == rates and cached.bandwidth_bytes_per_s == rates[1]
+    assert cached.recent_bandwidth_bytes_per_s(2) == (rates[1] + rates[2]) / 2
+    intensity = [10 / (WEIGHTS + PER_TOKEN * (P + i)) for i in (1, 2, 3)]
+    assert cached.flops_per_byte == pytest.approx(sum(intensity) / 3)
+
+
+def test_flops_counted_against_the_formula_on_the_sampled_steps_only():
+    events = [started(5)]
+    counted = {0: 10 * P, 1: 10, 2: 10, 4: 12}  # step 4 counted 2 FLOPs more than the formula
+    for i in range(5):
+        events.append(step("cached", i, 0.25, counted=counted.get(i)))
+    s = summarize_events(events)
+    cached = s.loop("cached")
+    assert cached.flops_sampled_steps == 4
+    assert cached.flops_counted == 30 + 10 + 10 + 12
+    assert cached.flops_formula == 30 + 10 + 10 + 10  # step 3 was not sampled
+    assert cached.flops_ratio == 62 / 60
+    assert s.loop("uncached").flops_counted is None  # no step, none counted
+
+
+def test_first_divergence_whichever_loop_comes_first():
+    tokens = [1, 2, 3, 4, 5, 6]
+    other = [1, 2, 3, 9, 5, 7]
+    cached = [step("cached", i, 0.25, token=t) for i, t in enumerate(tokens)]
+    uncached = [step("uncached", i, 0.5, token=t) for i, t in enumerate(other)]
+    sequential = summarize_events([started(), *cached, *uncached])
+    interleaved = summarize_events(
+        [started(), *(e for pair in zip(uncached, cached, strict=True) for e in pair)]
+    )
+    for s in (sequential, interleaved):
+        assert s.first_divergence == 3 and not s.identical and s.compared_steps == 6
+    same = summarize_events([started(), *cached[:3], *uncached[:2]])
+    assert same.first_divergence is None and same.identical and same.compared_steps == 2
+
+
+def test_wall_speedup_over_the_steps_both_loops_made():
+    """A cached loop that stopped early (its pool ran out) is compared over its own steps."""
+    events = [started(6)]
+    events += [step("cached", i, 0.25) for i in range(2)]
+    events.append(RunFinished("cached", "out_of_memory", 2, "the KV cache is full"))
+    events += [step("uncached", i, 0.5) for i in range(6)]
+    s = summarize_events(events)
+    assert s.compared_steps == 2
+    assert s.wall_speedup() == 1.0 / 0.5
+    assert s.positions_speedup() == (3 + 4) / (3 + 1)
+
+
+def test_kv_bytes_against_the_formula_without_windows():
+    s = summarize_events(run(tokens=5, batch=2))
+    assert s.loop("cached").kv_bytes_filled == 2 * PER_TOKEN * (P + 4)
+    assert s.loop("cached").kv_bytes_allocated == 2 * 2 * 4 * PER_TOKEN  # 7 positions: 2 blocks
+    assert s.kv_bytes_formula() == 2 * PER_TOKEN * (P + 4) and s.kv_matches_formula() is True
+    assert s.kv_bytes_formula("uncached") is None  # it keeps no cache
+    assert s.loop("uncached").kv_bytes_filled == 0
+
+
+def test_the_end_of_a_loop_measures_the_cache():
+    events = run(tokens=3)
+    events[4] = RunFinished("cached", "done", 3, kv_bytes_allocated=512, kv_bytes_filled=320)
+    s = summarize_events(events)
+    assert s.loop("cached").kv_bytes_filled == 320 and s.loop("cached").kv_bytes_allocated == 512
+    assert s.kv_bytes_formula() == PER_TOKEN * (P + 2) == 320 and s.kv_matches_formula()
+
+
+def test_a_sliding_window_caps_the_formula():
+    """After step 4 the cache holds 7 positions: layer 0 keeps 4 of them, layer 1 all 7."""
+    events = run(tokens=5, batch=2, windows=SLIDING)
+    s = summarize_events(events, spec=SLIDING)
+    held = 2 * (4 + 7) * 2 * 1 * 4 * 4  # 2 sequences x 11 layer-positions x 32 bytes
+    assert held == 704 < 2 * PER_TOKEN * 7
+    assert s.loop("cached").kv_bytes_filled == held == s.kv_bytes_formula()
+    assert s.kv_matches_formula() is True
+    windowless = summarize_events(events)  # the same run counted without its window
+    assert (
+        windowless.kv_bytes_formula() == 2 * PER_TOKEN * 7 and not windowless.kv_matches_formula()
+    )
+
+
+def test_a_spec_of_another_cache_is_not_used():
+    """A shape whose bytes per token are not the run's would report a mismatch the engine did
+    not make: the formula falls back to the run's own bytes per token."""
+    other = ModelSpec("other", 2, 1, 2, 4, 4, 8, 16, 250, 64, sliding_window=4, sliding_layers=(0,))
+    s = summarize_events(run(tokens=5), spec=other)
+    assert s.kv_bytes_formula() == PER_TOKEN * 7 and s.kv_matches_formula()
+
+
+def test_windows_are_found_from_the_engine_name(tmp_path):
+    config = {
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "vocab_size": 32,
+        "max_position_embeddings": 64,
+        "sliding_window": 4,
+        "torch_dtype": "float32",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf = windowed_spec(started(engine=f"hf:{tmp_path}"))
+    assert hf is not None and hf.layer_windows() == (4, 4)
+    sim = windowed_spec(started(engine="sim:mistral-7b@h100"))
+    assert sim is not None and sim.sliding_window == 4096
+    assert windowed_spec(started(engine="sim:mistral-7b@2xh100")).kv_heads == 4  # one GPU's
+    for engine in ("tiny", "shape:mistral-7b", "sim:llama-3.1-8b@h100", "hf:/no/such", "nope"):
+        assert windowed_spec(started(engine=engine)) is None
+    # the hf engine's cache keeps 4 positions in each layer: 2 x 4 x 32 bytes after 7
+    s = RunSummary()
+    s.apply(started(engine=f"hf:{tmp_path}"))
+    s.apply(step("cached", 0, 0.5))
+    s.apply(step("cached", 4, 0.25, windows=hf))
+    assert s.kv_bytes_formula() == 2 * 4 * 32 == s.loop("cached").kv_bytes_filled
+
+
+def test_a_failed_run_says_why():
+    s = summarize_events([started(), step("cached", 0, 0.5), RunFailed("engine died")])
+    assert s.failure == "engine died" and s.loop("cached").steps == 1
+
+
+def test_live_run_reads_the_same_figures():
+    """The screens' LiveRun folds through the summary: its figures are the summary's."""
+    events = run(tokens=5, batch=2, windows=SLIDING)
+    live = LiveRun(RunSettings(batch=2))
+    for event in events:
+        live.apply(event)
+    s = summarize_events(events)
+    assert live.summary.loop("cached").steps == 5 and live.state == "done"
+    assert live.compared_steps() == s.compared_steps and live.work_over(5) == s.work_over(5)
+    assert live.wall_speedup() == s.wall_speedup()
+    assert live.achieved_bandwidth() == s.loop("cached").recent_bandwidth_bytes_per_s()
+    assert live.kv_bytes_measured() == (704, s.kv_bytes_formula())
+    trace = live.loop("uncached")
+    assert list(trace.positions_cumulative) == [3, 7, 12, 18, 25] and trace.last_positions == 7
+    assert trace.text == "ababa" and trace.positions.values == [3, 4, 5, 6, 7]
+
+
+def test_bench_reports_counted_flops_beside_the_formula(tmp_path):
+    """A record of a run whose sampled steps counted their FLOPs, replayed through `kvtui
+    bench`: its JSON and its table say counted against formula, over the sampled steps."""
+    path = tmp_path / "run.jsonl"
+    counted = {0: 10 * P, 1: 10, 2: 10}
+    events = [started(3)]
+    for loop in ("cached", "uncached"):
+        for i in range(3):
+            positions = (P if i == 0 else 1) if loop == "cached" else P + i
+            events.append(
+                step(loop, i, 0.25, counted=counted[i] if loop == "cached" else 10 * positions)
+            )
+        events.append(RunFinished(loop, "done", 3))
+    with path.open("w") as out:
+        writer = RecordWriter(out, RunSettings(tokens=3))
+        for event in events:
+            writer.write(event)
+    r = run_bench(RunSettings(engine=f"replay:{path}", replay_speed=0))
+    assert r["cached"]["flops_counted"] == r["cached"]["flops_formula"] == 50
+    assert r["uncached"]["flops_counted"] == r["uncached"]["flops_formula"] == 10 * (3 + 4 + 5)
+    assert r["cached"]["flops_sampled_steps"] == 3 and r["cached"]["flops_ratio"] == 1
+    assert r["kv_bytes_formula"] == r["kv_bytes_filled"] == PER_TOKEN * (P + 2)
+    assert r["work_ratio"] == 12 / 5 and r["speedup_wall"] == 1
+    table = format_table(r)
+    assert "cached: FLOPs counted (FlopCounterMode, 3 sampled steps) 50 vs formula 50" in table
