@@ -49,7 +49,8 @@ from textual.pilot import Pilot
 
 from kvtui.app import EngineFactory, EngineHandle, KVApp, make_app
 from kvtui.engines.factory import open_engine, parse_engine
-from kvtui.engines.protocol import Event, RunFailed, RunSettings, StepSource, run_events
+from kvtui.engines.protocol import Event, RunFailed, RunSettings, StepSource
+from kvtui.engines.schedule import run_events
 from kvtui.reports.table import InProcessTable
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.tricks import TableFactory
@@ -163,7 +164,7 @@ class ScriptedEngine:
     @classmethod
     def from_settings(cls, settings: RunSettings, **hooks: Any) -> ScriptedEngine:
         """The engine `settings.engine` names, run in this process: `sim:MODEL@GPU` (modelled
-        steps) or `replay:FILE` (a recorded run), through `kvtui.engines.protocol.run_events` as
+        steps) or `replay:FILE` (a recorded run), through `kvtui.engines.schedule.run_events` as
         the engine's own process would, but with `replay_speed` 0 (as fast as it can, not at the
         recorded or modelled pace). ValueError for a torch engine (see `refuse_torch`);
         `kvtui.engines.protocol.EngineError` (a ValueError) for settings the engine refuses.

@@ -17,13 +17,13 @@ from kvtui.engines.protocol import (
     FLOP_COUNTER_PHRASE,
     MAX_PROGRESS_CHARS,
     Event,
-    RunControl,
     RunFailed,
     RunProgress,
     RunSettings,
     StepSample,
     to_json,
 )
+from kvtui.engines.schedule import RunControl
 from kvtui.errors import EngineError
 from kvtui.format import safe_text
 
@@ -116,7 +116,7 @@ def child_main(warm: bool = False) -> int:
 
 def _run_child(emit: Callable[[Event], None], warm: bool) -> int:
     from kvtui.engines.factory import open_engine
-    from kvtui.engines.protocol import run_events
+    from kvtui.engines.schedule import run_events
 
     def progress(phrase: str) -> None:
         emit(RunProgress(safe_text(phrase, one_line=True)[:MAX_PROGRESS_CHARS]))

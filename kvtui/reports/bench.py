@@ -41,9 +41,9 @@ from kvtui.engines.protocol import (
     RunSettings,
     RunStarted,
     StepSample,
-    run_events,
 )
 from kvtui.engines.replay import RecordWriter
+from kvtui.engines.schedule import run_events
 from kvtui.errors import EngineError
 from kvtui.format import (
     format_bandwidth,

@@ -22,9 +22,9 @@ from kvtui.engines.protocol import (
     RunSettings,
     StepSample,
     event_from_json,
-    run_events,
     to_json,
 )
+from kvtui.engines.schedule import run_events
 from kvtui.engines.torch_engine import DecoderEngine
 from kvtui.gpu.load import spec_from_args
 from kvtui.gpu.model import ModelArgs, Transformer

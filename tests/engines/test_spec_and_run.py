@@ -12,14 +12,13 @@ import pytest
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import (
     FLOP_COUNTER_PHRASE,
-    RunControl,
     RunFailed,
     RunSettings,
     RunStarted,
     StepSample,
-    run_events,
 )
 from kvtui.engines.replay import RecordWriter, read_record
+from kvtui.engines.schedule import RunControl, run_events
 from kvtui.errors import EngineError
 from kvtui.run.process import EngineProcess, Engines
 from kvtui.sim.catalog import get_gpu, get_model

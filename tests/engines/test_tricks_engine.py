@@ -16,9 +16,9 @@ from kvtui.engines.protocol import (
     RunStarted,
     StepSample,
     event_from_json,
-    run_events,
     to_json,
 )
+from kvtui.engines.schedule import run_events
 from kvtui.errors import EngineError
 from kvtui.reports.table import TABLE_ROWS, TableProcess
 from kvtui.run.summary import summarize_events

@@ -13,7 +13,7 @@ from textual import events
 
 from kvtui.app import make_app
 from kvtui.engines.factory import open_engine
-from kvtui.engines.protocol import run_events
+from kvtui.engines.schedule import run_events
 
 SIZE = (100, 30)
 CLOSE_SECONDS = 0.2
