@@ -1,6 +1,6 @@
 """kvtui.testing, the public kit for driving kvtui headless, used end to end as a developer would:
 a sim run driven to its end and read back, a record `kvtui bench` wrote replayed, the test hooks,
-the refusal of torch engines and the README's example, run as written."""
+the refusal of torch engines and docs/testing.md's example, run as written."""
 
 from __future__ import annotations
 
@@ -148,16 +148,16 @@ async def test_a_run_that_stops_short_reads_as_failed():
         assert any("exited before finishing" in words for words in run.notifications)
 
 
-async def test_the_readme_example_runs_as_written():
-    """The README's five lines, executed: the example a developer copies must pass."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Driving kvtui headless", 1)[1]
+async def test_the_docs_example_runs_as_written():
+    """docs/testing.md's five lines, executed: the example a developer copies must pass."""
+    page = (ROOT / "docs" / "testing.md").read_text()
+    section = page.split("# Driving kvtui headless", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     assert code is not None
     lines = [line for line in code.group(1).splitlines() if line.strip()]
     assert len(lines) == 5
     namespace: dict[str, object] = {}
-    exec(compile(code.group(1), "README.md", "exec"), namespace)
+    exec(compile(code.group(1), "docs/testing.md", "exec"), namespace)
     tests = [v for k, v in namespace.items() if k.startswith("test_") and callable(v)]
     assert len(tests) == 1
     await tests[0]()
