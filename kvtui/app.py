@@ -41,6 +41,7 @@ from textual.theme import ThemeProvider
 from textual.widget import AwaitMount
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from kvtui.engines.capabilities import OWN_ENGINES
 from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.format import safe_text
@@ -482,8 +483,8 @@ class KVApp(App[int]):
     def action_batch(self) -> None:
         """Screen 3's n: the next run's batch, doubling from 1 to 64 and round again; r runs
         it."""
-        if parse_engine(self.live.settings.engine).kind in ("hf", "replay"):
-            self.notify("A batch runs on kvtui's own engines (tiny, shape:, sim:)", timeout=4)
+        if not self.live.can.own_cache:
+            self.notify(f"A batch runs on {OWN_ENGINES}", timeout=4)
             return
         self.batch = 1 if self.batch >= LIVE_BATCHES[-1] else self.batch * 2
 
@@ -515,7 +516,7 @@ class KVApp(App[int]):
     def action_lesson(self) -> None:
         """Lesson mode on (a one-token prompt, 24 tokens: the lesson's figures, measured) or off
         (the full prompt again, at the same length); the run restarts either way."""
-        if parse_engine(self.live.settings.engine).kind == "replay":
+        if self.live.can.replay:
             self.notify(
                 "A replay plays the run as it was recorded: l is for live engines", timeout=4
             )

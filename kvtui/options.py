@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
+from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import (
     DEFAULT_PROMPT,
     LOOPS,
@@ -19,6 +20,7 @@ from kvtui.engines.protocol import (
     Loop,
     RunSettings,
 )
+from kvtui.errors import EngineError
 from kvtui.format import (
     format_bytes,
     parse_bytes,
@@ -417,7 +419,10 @@ def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSett
     """The plain, picklable settings of a run, from the parsed options. A `vllm:` server's run
     has one loop, the cached one: a server keeps its KV cache."""
     engine = f"hf:{args.model}" if args.model else args.engine
-    served = str(engine).strip().startswith("vllm:")
+    try:
+        served = parse_engine(str(engine)).can.served
+    except EngineError:  # refused with its own words when the run is checked
+        served = False
     return RunSettings(
         engine=engine,
         loops=("cached",) if served else LOOP_CHOICES[getattr(args, "loops", "both")],

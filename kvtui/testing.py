@@ -48,7 +48,7 @@ from textual.notifications import Notify
 from textual.pilot import Pilot
 
 from kvtui.app import EngineFactory, EngineHandle, KVApp, make_app
-from kvtui.engines.factory import open_engine, parse_engine
+from kvtui.engines.factory import open_engine, parse_engine, recorded_start
 from kvtui.engines.protocol import Event, RunFailed, RunSettings, StepSource
 from kvtui.engines.schedule import run_events
 from kvtui.reports.table import InProcessTable
@@ -90,16 +90,13 @@ RUN_STATES = ("starting", "running", "paused", "done", "failed", "stopped")
 ENDED_STATES = ("done", "failed", "stopped")
 """The states `until_done` waits for: the run ended, one way or another."""
 
-TORCH_ENGINES = ("tiny", "shape", "hf")
-"""Engine kinds that run torch: the app runs them in their own process; here they are refused."""
-
 
 def refuse_torch(settings: RunSettings) -> None:
     """Raise ValueError if `settings.engine` is a torch engine (tiny, shape:, hf:) or not an
     engine name at all; `sim:` and `replay:` engines pass. kvtui.testing never imports torch: a
     test of a torch engine's figures replays a record of its run."""
-    kind = parse_engine(settings.engine).kind  # an EngineError (a ValueError) for a bad name
-    if kind in TORCH_ENGINES:
+    spec = parse_engine(settings.engine)  # an EngineError (a ValueError) for a bad name
+    if spec.can.torch:  # the app runs it in its own process; here it is refused
         raise ValueError(
             f"kvtui.testing runs engines in the test's own process and never imports torch, so "
             f"it cannot run {settings.engine!r} (a torch engine). Record a run once with "
@@ -187,7 +184,7 @@ class ScriptedEngine:
 
         path = Path(path)
         asked = replace(settings or RunSettings(), engine=f"replay:{path}", replay_speed=0)
-        source = ReplayEngine.open(path, asked)
+        source = ReplayEngine.open(path, asked, upgrade=recorded_start)
         return cls._running(source, source.settings, **hooks)
 
     @classmethod

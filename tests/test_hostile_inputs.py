@@ -122,6 +122,17 @@ RECORDS = {
     ),
     "a loop that finished twice": (lambda lines: lines + [lines[-1]], "after the cached loop"),
     "a finish that miscounts": (_set(-1, steps=99), "finished after 99 steps, not"),
+    "capabilities a string": (_set(1, can="yes"), "can is 'yes', not an object or null"),
+    "a capability a number": (
+        lambda lines: _set(1, can={**lines[1]["can"], "torch": 1})(lines),
+        "started event: can: torch is 1, not true or false",
+    ),
+    "capabilities that leave one out": (
+        _set(1, can={"torch": False}),
+        "started event: can: own_cache is missing",
+    ),
+    "a sliding window of nothing": (_set(1, sliding_window=0), "a sliding window of 0 positions"),
+    "a sliding layer past the model's": (_set(1, sliding_layers=[99]), "are not all among its"),
     "a batch of none": (_set(1, batch=0), "batch must be from 1 to 256, not 0"),
     "blocks of no tokens": (_set(1, kv_block_tokens=0), "kv_block_tokens is 0"),
     "more positions than exist": (_set(2, positions_computed=2**62), "more than its batch"),

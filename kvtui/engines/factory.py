@@ -8,6 +8,10 @@ the CLI can say so before a UI opens; `open_engine` builds the engine a spec nam
 torch only for the torch engines (kvtui.engines.torch_engine, kvtui.engines.hf), never for `sim:`
 (kvtui.engines.roofline), `replay:` (kvtui.engines.replay) or `vllm:` (kvtui.engines.vllm.engine,
 plain HTTP to the URL given and nowhere else).
+
+What an engine can do is asked of its capabilities, never of its name: `EngineSpec.can` before a
+run (kvtui.engines.capabilities' one table), `RunStarted.can` once it runs; `recorded_start`
+gives a record written before starts said what their engine can do its engine's.
 """
 
 from __future__ import annotations
@@ -15,16 +19,17 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
+from kvtui.engines.capabilities import CAPABILITIES, NOTHING, OWN_ENGINES, Capabilities, EngineKind
 from kvtui.engines.model_files import check_model_files, check_positions, read_model_config
 from kvtui.engines.protocol import (
     MAX_RUN_BATCH,
     MAX_TOKENS,
     Progress,
     RunSettings,
+    RunStarted,
     StepSource,
     quiet,
 )
@@ -33,8 +38,6 @@ from kvtui.errors import EngineError
 from kvtui.gpu.probe import cuda_visible
 from kvtui.inputs import InputError, user_path
 from kvtui.paths import TINY_NAME
-
-EngineKind = Literal["tiny", "shape", "sim", "replay", "hf", "vllm"]
 
 ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR, vllm:URL"
 
@@ -54,6 +57,21 @@ class EngineSpec:
     """The record of `replay:`, the model directory of `hf:`."""
     url: ServerURL | None = None
     """The server of `vllm:`, checked (http or https, a host, no credentials)."""
+
+    @property
+    def can(self) -> Capabilities:
+        """What this kind of engine can do (kvtui.engines.capabilities.CAPABILITIES)."""
+        return CAPABILITIES[self.kind]
+
+    @property
+    def model_dir(self) -> Path | None:
+        """The model directory `hf:` loads (its config.json says the model's shape); None for
+        the others (a replay's path is a record)."""
+        return self.path if self.kind == "hf" else None
+
+    def with_path(self, path: Path) -> str:
+        """This engine's name with `path` for its record or model directory (`replay:`, `hf:`)."""
+        return f"{self.kind}:{path}"
 
 
 def parse_engine(name: str) -> EngineSpec:
@@ -121,9 +139,9 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
     if spec.kind == "hf":  # its config first: torch and transformers take seconds to import
         assert spec.path is not None  # parse_engine sets it for hf:
         read_model_config(spec.path)
-    if spec.kind in ("tiny", "shape", "hf") and "torch" not in sys.modules:
+    if spec.can.torch and "torch" not in sys.modules:
         say("importing torch")
-    if spec.kind in ("tiny", "shape", "hf"):
+    if spec.can.torch:
         import_torch()
     if spec.kind in ("tiny", "shape"):
         from kvtui.engines.torch_engine import open_torch_engine
@@ -138,7 +156,7 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
         from kvtui.engines.replay import ReplayEngine
 
         assert spec.path is not None  # parse_engine sets it for replay:
-        return ReplayEngine.open(spec.path, settings)
+        return ReplayEngine.open(spec.path, settings, upgrade=recorded_start)
     if spec.kind == "vllm":
         from kvtui.engines.vllm.engine import VLLMEngine
 
@@ -194,6 +212,45 @@ def check_engine(settings: RunSettings) -> None:
                 f"{limit:,} positions"
             )
         check_model_files(spec.path, config)
+
+
+def recorded_start(started: RunStarted) -> RunStarted:
+    """A recorded start as engines send one now: a record written before starts said what their
+    engine can do gets that (`can`), and its model's sliding windows, from its engine's name, in
+    the replay's process (the fold reads no file). A start that says is as it was recorded."""
+    if started.can is not None:
+        return started
+    try:
+        spec = parse_engine(started.engine)
+    except EngineError:
+        return replace(started, can=NOTHING)
+    window, layers = _recorded_windows(spec, started)
+    return replace(started, can=spec.can, sliding_window=window, sliding_layers=layers)
+
+
+def _recorded_windows(spec: EngineSpec, started: RunStarted) -> tuple[int | None, tuple[int, ...]]:
+    """The sliding windows of the model a recorded run ran, from its engine's name: `sim:`'s
+    catalog model (one GPU's share), `hf:`'s config.json where it still is; none for kvtui's own
+    decoder, which keeps every position in every layer, for a model that no longer resolves, or
+    for one whose cache is not the run's (other KV bytes per token in the run's dtype)."""
+    from kvtui.sim.catalog import get_model
+    from kvtui.sim.hf_config import model_from_hf_config
+    from kvtui.sim.memory import kv_bytes_per_token
+    from kvtui.sim.parallel import shard
+
+    try:
+        if spec.kind == "sim" and spec.model:
+            model = shard(get_model(spec.model), spec.gpus)
+        elif spec.model_dir is not None:
+            model = model_from_hf_config(spec.model_dir / "config.json")
+        else:
+            return None, ()
+        same = kv_bytes_per_token(model, started.dtype) == started.kv_bytes_per_token
+    except (ValueError, KeyError, OSError):  # ConfigError, UnknownNameError, an unknown dtype
+        return None, ()
+    if model.sliding_window is None or not same or model.layers != started.layers:
+        return None, ()
+    return model.sliding_window, model.sliding_layers
 
 
 # --- cheap checks, without torch -----------------------------------------------------------------
@@ -307,14 +364,13 @@ def check_layout(settings: RunSettings, spec: EngineSpec) -> None:
     layout = settings.layout
     if layout.is_plain:
         return
-    if spec.kind not in ("tiny", "shape", "sim"):
+    if not spec.can.own_cache:
         why = {
             "hf": "transformers keeps its own cache there",
             "replay": "a replay shows the run as it was recorded",
         }.get(spec.kind, "it keeps its own cache")
         raise EngineError(
-            f"{layout_flags(settings)}: kvtui's own engines (tiny, shape:, sim:) keep these "
-            f"caches, not {spec.kind}: ({why})"
+            f"{layout_flags(settings)}: {OWN_ENGINES} keep these caches, not {spec.kind}: ({why})"
         )
     heads = model_kv_heads(spec)
     if layout.kv_heads is not None and heads is None:
@@ -344,24 +400,24 @@ def check_run(settings: RunSettings) -> EngineSpec:
         raise EngineError(f"tokens must be from 1 to {MAX_TOKENS:,}, not {settings.tokens:,}")
     if not 1 <= settings.batch <= MAX_RUN_BATCH:
         raise EngineError(f"batch must be from 1 to {MAX_RUN_BATCH}, not {settings.batch:,}")
-    if spec.kind in ("hf", "replay", "vllm") and settings.batch != 1:
+    if not spec.can.own_cache and settings.batch != 1:
         raise EngineError(
-            f"--batch applies to kvtui's own engines (tiny, shape:, sim:), not to {spec.kind}:"
+            f"--batch applies to {OWN_ENGINES}, not to {spec.kind}:"
             + {
                 "hf": " it decodes one sequence through transformers' own cache",
                 "replay": " a replay shows the run as it was recorded, batch and all",
                 "vllm": " it streams one completion (kvtui load puts many on the server)",
             }[spec.kind]
         )
-    if spec.kind in ("tiny", "shape", "hf"):
+    if spec.can.torch:
         device = settings.device
         if device not in ("auto", "cpu") and not _CUDA_DEVICE.fullmatch(device):
             raise EngineError(f"unknown device {device!r}: use auto, cpu or cuda")
         if device != "auto" and device != "cpu" and not cuda_visible():
             raise EngineError(f"--device {device}: this machine shows no CUDA device")
-    if spec.kind in ("hf", "replay", "vllm") and settings.kv_budget_bytes is not None:
+    if not spec.can.own_cache and settings.kv_budget_bytes is not None:
         raise EngineError(
-            f"--kv-budget applies to kvtui's own engines (tiny, shape:, sim:), not to {spec.kind}:"
+            f"--kv-budget applies to {OWN_ENGINES}, not to {spec.kind}:"
             + {
                 "hf": " transformers keeps its own cache there",
                 "replay": " a replay shows the run as it was recorded",

@@ -32,6 +32,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from kvtui.engines.capabilities import TRANSFORMERS
 from kvtui.engines.model_files import check_model_files, check_positions, read_model_config
 from kvtui.engines.protocol import FLOP_COUNTER_PHRASE, Progress, RunSettings, quiet
 from kvtui.engines.torch_engine import TorchEngine
@@ -403,6 +404,8 @@ prompt token by token costs time that grows with its square)."""
 class HFEngine(TorchEngine):
     """A local transformers model: the same loops, through transformers' forward and its
     `StaticCache`."""
+
+    can = TRANSFORMERS
 
     def __init__(
         self,

@@ -30,10 +30,11 @@ import functools
 import math
 import types
 from collections.abc import Callable, Generator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
 from kvtui.engines.attention import check_attention
+from kvtui.engines.capabilities import Capabilities
 from kvtui.sim.tricks import KVLayout
 
 Loop = Literal["cached", "uncached"]
@@ -238,6 +239,16 @@ class RunStarted:
     whole blocks, never the last prompt token)."""
     kv_heads_model: int | None = None
     """The model's own key/value heads where the run averaged them (`kv_heads` is what runs)."""
+    can: Capabilities | None = None
+    """What the engine can do (kvtui.engines.capabilities); a replay's says what the recorded
+    run could do, and that it is a replay. None where the event does not say: a record written
+    before engines said (its replay finds them from its engine's name) or an event made by hand."""
+    sliding_window: int | None = None
+    """Positions a sliding-window layer of the model itself keeps (Mistral's, Gemma 2's), as the
+    KV formula caps them (kvtui.sim.memory.kv_bytes); None where no layer slides, as in kvtui's
+    own decoder, which keeps every position in every layer. Not `kv_window`, the run's layout."""
+    sliding_layers: tuple[int, ...] = ()
+    """The layers (0-based) that keep `sliding_window`; the others keep every position."""
     kind: str = field(default="started", init=False)
 
     def __post_init__(self) -> None:
@@ -258,6 +269,14 @@ class RunStarted:
             raise ValueError(
                 f"started event: {self.kv_shared_tokens} shared of {self.prompt_tokens} prompt "
                 "tokens"
+            )
+        object.__setattr__(self, "sliding_layers", tuple(self.sliding_layers))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"started event: a sliding window of {self.sliding_window} positions")
+        if any(not 0 <= layer < self.layers for layer in self.sliding_layers):
+            raise ValueError(
+                f"started event: sliding layers {self.sliding_layers[:8]} are not all among its "
+                f"{self.layers} layers"
             )
 
     @property
@@ -510,12 +529,34 @@ def _typed_fields(cls: type, data: Any, what: str) -> dict[str, Any]:
     for f in fields(cls):
         if f.init and f.name in data:
             value = data[f.name]
+            nested = _dataclass_in(hints[f.name])
+            if nested is not None and isinstance(value, dict):
+                values[f.name] = _nested(nested, value, f"{what}: {f.name}")
+                continue
             if not _fits(value, hints[f.name]):
                 shown = repr(value)
                 shown = shown if len(shown) <= 40 else shown[:37] + "..."
                 raise ValueError(f"{what}: {f.name} is {shown}, not {_type_name(hints[f.name])}")
             values[f.name] = value
     return values
+
+
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass a field holds (`Capabilities` of `Capabilities | None`), if any."""
+    for arg in (hint, *get_args(hint)):
+        if isinstance(arg, type) and is_dataclass(arg):
+            return arg
+    return None
+
+
+def _nested(cls: type, data: dict[str, Any], what: str) -> Any:
+    """A dataclass held in a field, from its JSON object: every field of it stated and of its
+    declared type (ValueError naming the first that is missing or is not)."""
+    values = _typed_fields(cls, data, what)
+    missing = [f.name for f in fields(cls) if f.init and f.name not in values]
+    if missing:
+        raise ValueError(f"{what}: {missing[0]} is missing")
+    return cls(**values)
 
 
 def _type_name(hint: Any) -> str:
@@ -528,6 +569,8 @@ def _type_name(hint: Any) -> str:
         return f"a list of {_type_name(get_args(hint)[0])}"
     if hint is type(None):
         return "null"
+    if isinstance(hint, type) and is_dataclass(hint):
+        return "an object"
     names = {int: "an integer", float: "a finite number", str: "a string", bool: "true or false"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))
 

@@ -19,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+from kvtui.engines.capabilities import REPLAY
 from kvtui.engines.protocol import (
     MAX_TOKENS,
     Event,
@@ -216,6 +217,11 @@ class _RunOrder:
             raise EngineError(f"{self.path} holds an empty run (no steps)")
 
 
+def as_written(started: RunStarted) -> RunStarted:
+    """A recorded start as it was written."""
+    return started
+
+
 @dataclass
 class ReplayEngine:
     """Plays a record back through the engine protocol."""
@@ -223,19 +229,29 @@ class ReplayEngine:
     settings: RunSettings
     header: dict[str, Any]
     events: list[Event] = field(default_factory=list)
+    upgrade: Callable[[RunStarted], RunStarted] = as_written
+    """What the recorded start becomes before it is sent: kvtui.engines.factory.recorded_start
+    gives a record written before starts said what their engine can do its engine's (`can`)."""
 
     @classmethod
-    def open(cls, path: Path, settings: RunSettings) -> ReplayEngine:
+    def open(
+        cls,
+        path: Path,
+        settings: RunSettings,
+        upgrade: Callable[[RunStarted], RunStarted] = as_written,
+    ) -> ReplayEngine:
         header, events = read_record(path)
         recorded = RunSettings.from_json(header.get("settings", {}))  # checked by read_record
         # What ran is what was recorded; only the pace is the caller's.
         merged = replace(recorded, engine=settings.engine, replay_speed=settings.replay_speed)
-        return cls(merged, header, events)
+        return cls(merged, header, events, upgrade)
 
     def started(self) -> RunStarted:
         """The recorded start, saying when it was recorded (from the header, for a record
-        written before `RunStarted.recorded_at` was)."""
-        started = next(e for e in self.events if isinstance(e, RunStarted))
+        written before `RunStarted.recorded_at` was) and that it is a replay of a run that
+        could do what its engine could (`Capabilities.replayed`)."""
+        started = self.upgrade(next(e for e in self.events if isinstance(e, RunStarted)))
+        started = replace(started, can=(started.can or REPLAY).replayed())
         if started.recorded_at:
             return started
         when = self.header.get("recorded_at")

@@ -27,6 +27,7 @@ import time
 from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 
+from kvtui.engines.capabilities import ROOFLINE
 from kvtui.engines.protocol import Loop, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.engines.replay import MAX_STEP_SECONDS
 from kvtui.errors import EngineError
@@ -231,6 +232,9 @@ class SimEngine:
             prefix_caching=self.layout.prefix_caching,
             kv_shared_tokens=self.shared_tokens,
             kv_heads_model=self.kv_heads_model,
+            can=ROOFLINE,
+            sliding_window=share.sliding_window,
+            sliding_layers=share.sliding_layers,
         )
 
     def _prompt_pieces(self) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kvtui.engines.attention import ATTENTION_PER_SECOND, ATTENTION_SCALE, MAX_SPANS, spans_for
+from kvtui.engines.capabilities import KVTUI_TORCH, Capabilities
 from kvtui.engines.loops import (
     TRIM_EVERY_STEPS,
     CachedModel,
@@ -144,6 +145,8 @@ class TorchEngine(ABC):
     """When each loop last sent its attention (time.monotonic)."""
     prompt_pieces: tuple[str, ...] = ()
     """The text of each prompt token, for the cache picture's rows."""
+    can: Capabilities = KVTUI_TORCH
+    """What the engine can do (kvtui.engines.capabilities): kvtui's own decoder's here."""
 
     @abstractmethod
     def prompt_ids(self) -> Tensor:
@@ -226,6 +229,9 @@ class TorchEngine(ABC):
             prefix_caching=layout.prefix_caching,
             kv_shared_tokens=self.shared_tokens,
             kv_heads_model=self.kv_heads_model,
+            can=self.can,
+            sliding_window=self.spec.sliding_window,
+            sliding_layers=self.spec.sliding_layers,
         )
 
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished, None, None]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvtui.engines.capabilities import OWN_ENGINES
 from kvtui.engines.factory import check_run, open_engine, parse_engine
 from kvtui.engines.protocol import RunSettings
 from kvtui.errors import EngineError
@@ -127,17 +128,15 @@ def check_table(base: RunSettings) -> None:
     `sim:` each row's engine is opened too (arithmetic, no torch), so that an unknown GPU or a
     model it cannot hold is refused here, not taken for a pool that stopped every row at once."""
     spec = check_run(base)
-    if spec.kind not in ("tiny", "shape", "sim"):
-        raise EngineError(
-            f"kvtui tricks runs kvtui's own engines (tiny, shape:, sim:), not {spec.kind}:"
-        )
+    if not spec.can.own_cache:
+        raise EngineError(f"kvtui tricks runs {OWN_ENGINES}, not {spec.kind}:")
     for row in TABLE_ROWS:
         if not row.formula_only:
             try:
                 check_run(row.settings(base))
             except EngineError as exc:  # the table's own setting: say whose
                 raise EngineError(f"the {row.label} row: {exc}") from None
-            if spec.kind == "sim":
+            if spec.can.modelled:
                 open_engine(row.settings(base)).close()
 
 
@@ -223,7 +222,7 @@ def _no_steps(settings: RunSettings, message: str) -> dict[str, Any]:
         pool = KVPool(budget, settings.kv_block_tokens, per_token)
         P = prompt_positions(settings)
         predicted = tokens_before_full(pool, settings.layout, P, settings.batch)
-    sim = parse_engine(settings.engine).kind == "sim"
+    sim = parse_engine(settings.engine).can.modelled
     return {
         "how": "modelled" if sim else "measured",
         "words": settings.layout.words(),
@@ -275,7 +274,7 @@ def _shape(base: RunSettings) -> tuple[Any, str] | None:
 
     spec = parse_engine(base.engine)
     on_gpu = base.device not in ("cpu", "auto") or (base.device == "auto" and cuda_visible())
-    if spec.kind == "tiny":
+    if spec.can.own_cache and spec.model is None:  # the shipped model (tiny): its own header
         from kvtui.paths import TINY_NAME, TINY_WEIGHTS, asset_path
         from kvtui.sim.hf_config import safetensors_dtype
 
@@ -287,7 +286,7 @@ def _shape(base: RunSettings) -> tuple[Any, str] | None:
         return model, compute_dtype(stored, gpu=on_gpu)[0]
     if spec.model:
         model = get_model(spec.model)
-        if spec.kind == "sim":
+        if spec.can.modelled:
             return shard(model, spec.gpus), serving_dtypes(model.default_dtype)[1]
         return model, compute_dtype(model.default_dtype, gpu=on_gpu)[0]
     return None
@@ -344,7 +343,7 @@ def run_table(
     for row in TABLE_ROWS:
         rows.append(run_row(row, base, quality_bytes=quality_bytes, progress=progress))
         yield rows[-1]
-    if parse_engine(base.engine).kind in ("tiny", "shape"):
+    if parse_engine(base.engine).can.torch:  # kvtui's decoder (check_table: its own engines)
         progress(f"the layouts' steps in turns ({SPEED_ROUNDS} rounds of {SPEED_STEPS})")
         ratios = speeds_in_turns(base)
         for measured in rows:
@@ -367,7 +366,7 @@ def table_header(settings: RunSettings) -> dict[str, Any]:
         "tokens": base.tokens,
         "prompt": base.prompt,
         "kv_block_tokens": base.kv_block_tokens,
-        "cpu_capability": _cpu_capability() if parse_engine(base.engine).kind != "sim" else None,
+        "cpu_capability": _cpu_capability() if not parse_engine(base.engine).can.modelled else None,
         "rows": [{"key": r.key, "label": r.label} for r in TABLE_ROWS],
         "references": [{"trick": r.trick, "claim": r.claim, "source": r.source} for r in PUBLISHED],
     }
@@ -461,7 +460,7 @@ class InProcessTable:
         pass
 
     def lines(self) -> Iterator[dict[str, Any]]:
-        if parse_engine(self.settings.engine).kind != "sim":
+        if not parse_engine(self.settings.engine).can.modelled:
             yield {"kind": "failed", "message": "the table of a torch engine runs in its process"}
             return
         try:

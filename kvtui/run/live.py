@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtui.engines.attention import Attention
+from kvtui.engines.capabilities import NOTHING, Capabilities
+from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import (
     Loop,
     RunFailed,
@@ -27,6 +29,7 @@ from kvtui.engines.protocol import (
     ServerMetrics,
     StepSample,
 )
+from kvtui.errors import EngineError
 from kvtui.run.serving import ServerWatch
 from kvtui.run.summary import LoopSummary, RunSummary
 from kvtui.sim.pool import KVPool
@@ -345,6 +348,18 @@ class LiveRun:
         return self.summary.started
 
     @property
+    def can(self) -> Capabilities:
+        """What the run's engine can do: as its start says, or before it (and where a start
+        made by hand does not say) as its name does; nothing for a name that does not parse."""
+        started = self.started
+        if started is not None and started.can is not None:
+            return started.can
+        try:
+            return parse_engine(self.settings.engine).can
+        except EngineError:
+            return NOTHING
+
+    @property
     def server(self) -> ServerWatch | None:
         """A served run's (`vllm:`) server figures, as its polls reported them; None for
         kvtui's own engines."""
@@ -532,10 +547,10 @@ class LiveRun:
             return "weights: with a later step"
         if self.how == "modelled":
             return "sim: no attention (modelled)"
-        kind = self.settings.engine.split(":", 1)[0]
-        if kind == "hf":
+        can = self.can
+        if can.torch and not can.attention:  # hf: transformers' attention, unobserved
             return "hf: attention not observed"
-        if kind == "replay":
+        if can.replay:
             return "no weights in this record"
         return "no attention weights"
 

@@ -100,7 +100,7 @@ def absolute_paths(settings: RunSettings) -> RunSettings:
         return settings
     if spec.path is None or spec.path.is_absolute():
         return settings
-    return replace(settings, engine=f"{spec.kind}:{spec.path.absolute()}")
+    return replace(settings, engine=spec.with_path(spec.path.absolute()))
 
 
 def _spawn(*, warm: bool) -> tuple[subprocess.Popen[str], IO[str]]:
@@ -159,14 +159,11 @@ def end_process(proc: subprocess.Popen[Any], grace_s: float, streams: Iterable[A
                 stream.close()
 
 
-TORCH_KINDS = ("tiny", "shape", "hf")
-"""Engine kinds whose process imports torch: the ones a spare (`WarmChild`) speeds up."""
-
-
 def runs_torch(settings: RunSettings) -> bool:
-    """Whether `settings` name a torch engine (a malformed name: no)."""
+    """Whether `settings` name a torch engine, the ones a spare (`WarmChild`) speeds up (a
+    malformed name: no)."""
     try:
-        return parse_engine(settings.engine).kind in TORCH_KINDS
+        return parse_engine(settings.engine).can.torch
     except ValueError:
         return False
 

@@ -25,7 +25,6 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import (
     LOOPS,
     Event,
@@ -37,10 +36,8 @@ from kvtui.engines.protocol import (
     StepSample,
 )
 from kvtui.run.serving import ServerWatch
-from kvtui.sim.catalog import ModelSpec, get_model
-from kvtui.sim.hf_config import model_from_hf_config
+from kvtui.sim.catalog import ModelSpec
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
-from kvtui.sim.parallel import shard
 from kvtui.sim.tricks import positions_held
 
 RECENT_STEPS = 64
@@ -257,8 +254,8 @@ class RunSummary:
     """A run folded from its events, one at a time (`apply`), as far as it has got."""
 
     spec: ModelSpec | None = None
-    """The shape whose sliding windows the KV formula caps positions by; None: looked up from
-    the engine's name when the run starts (`windowed_spec`)."""
+    """The shape whose sliding windows the KV formula caps positions by; None: the windows the
+    run's start states (`windowed_spec`)."""
     started: RunStarted | None = None
     loops: dict[str, LoopSummary] = field(
         default_factory=lambda: {loop: LoopSummary(loop) for loop in LOOPS}
@@ -368,22 +365,29 @@ class RunSummary:
 
 
 def windowed_spec(started: RunStarted) -> ModelSpec | None:
-    """The shape of the engine that sent `started`, where one of its layers keeps a sliding
-    window, found from the engine's name without loading anything: `sim:MODEL@GPU`'s catalog
-    model (one GPU's share), `hf:DIR`'s config.json. None otherwise: kvtui's own decoder (`tiny`,
-    `shape:`) keeps every position in every layer, and a name that no longer resolves (a replay
-    of a moved model) is counted without windows."""
-    try:
-        engine = parse_engine(started.engine)
-        if engine.kind == "sim" and engine.model:
-            spec = shard(get_model(engine.model), engine.gpus)
-        elif engine.kind == "hf" and engine.path is not None:
-            spec = model_from_hf_config(engine.path / "config.json")
-        else:
-            return None
-    except (ValueError, OSError):  # EngineError, ConfigError, UnknownNameError: no shape
+    """The shape of the cache of the engine that sent `started`, where one of its model's layers
+    keeps a sliding window, as its start states it: its layers, key/value heads and head size,
+    and its windows (`RunStarted.sliding_window`: `sim:`'s catalog model, one GPU's share;
+    `hf:`'s config.json, read in the engine's process). The KV formula reads nothing else of a
+    shape: its other sizes are 0. None where no layer slides (kvtui's own decoder, `tiny` and
+    `shape:`, keeps every position in every layer). Reads no file: the fold runs on the UI's
+    thread."""
+    if started.sliding_window is None:
         return None
-    return spec if spec.sliding_window is not None else None
+    return ModelSpec(
+        name=started.model,
+        layers=started.layers,
+        heads=started.kv_heads,
+        kv_heads=started.kv_heads,
+        head_dim=started.head_dim,
+        hidden_size=0,
+        intermediate_size=0,
+        vocab_size=0,
+        params=0,
+        max_context=started.max_positions or 0,
+        sliding_window=started.sliding_window,
+        sliding_layers=started.sliding_layers,
+    )
 
 
 def _checked_spec(spec: ModelSpec | None, started: RunStarted) -> ModelSpec | None:

@@ -157,7 +157,7 @@ class LessonScreen(Screen):
         parts = [] if started.model in self.run.settings.engine else [started.model]
         if self.run.replayed:  # the engine's place says where and when: here, which record
             parts.insert(0, Path(self.run.settings.engine.removeprefix("replay:")).name)
-        elif not started.device.startswith("sim"):
+        elif not self.run.can.modelled:  # sim:'s device is in its name
             parts.append(started.device)
         parts.append(started.dtype)
         if started.threads > 0:

@@ -18,6 +18,7 @@ from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
+from kvtui.engines.capabilities import OWN_ENGINES
 from kvtui.engines.factory import parse_engine
 from kvtui.errors import EngineError
 from kvtui.format import (
@@ -379,9 +380,9 @@ class MemoryScreen(LessonScreen):
             spec = parse_engine(engine)
         except EngineError:
             return
-        if spec.kind == "hf" and spec.path is not None and not self._model_chosen:
+        if spec.model_dir is not None and not self._model_chosen:
             with contextlib.suppress(ConfigError, OSError):
-                self._own_model = model_from_hf_config(spec.path / "config.json")
+                self._own_model = model_from_hf_config(spec.model_dir / "config.json")
                 self.tp = 1
                 self.model = self._own_model.name
                 self.kv_dtype = serving_dtypes(self._own_model.default_dtype)[1]
@@ -389,15 +390,15 @@ class MemoryScreen(LessonScreen):
             return
         # The tiny model would fill 1% of any GPU: the what-if starts from the catalog model
         # the room knows (LESSON_BUDGET's) instead; shape: and sim: from their own model.
-        name = LESSON_BUDGET.model if spec.kind == "tiny" else spec.model
-        if spec.kind in ("tiny", "shape", "sim") and name and not self._model_chosen:
+        name = spec.model or LESSON_BUDGET.model  # tiny names no catalog model
+        if spec.can.own_cache and name and not self._model_chosen:
             with contextlib.suppress(UnknownNameError):
                 model = get_model(name)
-                self.tp = spec.gpus if spec.kind == "sim" else 1  # the run's split
+                self.tp = spec.gpus  # the run's split (sim:'s; 1 for the others)
                 self.model = model.name
                 self.kv_dtype = serving_dtypes(model.default_dtype)[1]
                 self.context = min(self.context, model.max_context)
-        if spec.kind == "sim" and spec.gpu and not self._gpu_chosen and self.device_gpu is None:
+        if spec.gpu and not self._gpu_chosen and self.device_gpu is None:  # sim:'s GPU
             with contextlib.suppress(UnknownNameError):
                 self.gpu = get_gpu(spec.gpu).name
 
@@ -414,8 +415,9 @@ class MemoryScreen(LessonScreen):
                     else (" (this machine's GPU, not in the catalog)")
                 )
             return " (this GPU)" if short else " (this machine's GPU)"
-        if self._followed.startswith("sim:"):
-            return " (the sim's GPU)" if short else " (the sim engine's GPU)"
+        with contextlib.suppress(EngineError):
+            if parse_engine(self._followed).gpu:  # a sim: engine's, followed
+                return " (the sim's GPU)" if short else " (the sim engine's GPU)"
         if own is None and str((self.run.probe or {}).get("label", "")).startswith("GPU"):
             return " (an example)" if short else " (an example: NVML cannot read this GPU)"
         if own is None:
@@ -456,7 +458,7 @@ class MemoryScreen(LessonScreen):
             status.update(
                 "This run reports no KV pool: an hf: model keeps transformers' own cache (sized "
                 "for the run), and a replay shows what was recorded. The budget keys apply to "
-                "kvtui's own engines (tiny, shape:, sim:)."
+                f"{OWN_ENGINES}."
             )
             return
         pool = live.pool

@@ -33,6 +33,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 from textual.worker import get_current_worker
 
+from kvtui.engines.capabilities import OWN_ENGINES
 from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import Event, RunFailed, RunSettings
 from kvtui.format import format_bytes, format_int, format_ratio, safe_text
@@ -353,7 +354,7 @@ class TricksScreen(LessonScreen):
     def start_race(self) -> None:
         """(Re)start both engines of the race."""
         self._close_race()
-        if parse_engine(self.run.settings.engine).kind not in ("tiny", "shape", "sim"):
+        if not self.run.can.own_cache:
             self.race = {}
             self.mark_dirty()
             return
@@ -378,8 +379,8 @@ class TricksScreen(LessonScreen):
         self._table_id += 1
         engine = self.run.settings.engine
         self.table = TableState(engine=engine, started=True)
-        if parse_engine(engine).kind not in ("tiny", "shape", "sim"):
-            self.table.failed = "the tricks run on kvtui's own engines (tiny, shape:, sim:)"
+        if not self.run.can.own_cache:
+            self.table.failed = f"the tricks run on {OWN_ENGINES}"
             self.mark_dirty()
             return
         settings = replace(self.run.settings, tokens=TABLE_TOKENS)
@@ -516,7 +517,7 @@ class TricksScreen(LessonScreen):
             return Text(f"Table: {safe_text(table.failed, one_line=True)}")
         header = table.header or {}
         budget, cpu = header.get("kv_budget_bytes"), header.get("cpu_capability")
-        if parse_engine(table.engine or "tiny").kind == "sim":
+        if parse_engine(table.engine or "tiny").can.modelled:
             how = "modelled (sim:)"
         else:
             how = f"measured here{f' (CPU {cpu})' if cpu else ''}"
@@ -539,7 +540,7 @@ class TricksScreen(LessonScreen):
         words = Text()
         words.append("RACE", style="bold")
         if not self.race:
-            words.append(" on kvtui's own engines only (tiny, shape:, sim:)")
+            words.append(f" on {OWN_ENGINES} only")
             return words
         how = self.race["plain"].how
         budget = self.race["plain"].settings.kv_budget_bytes or 0

@@ -6,9 +6,12 @@ rate below is exact in floating point.
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 
+from kvtui.engines.capabilities import KVTUI_TORCH, NOTHING, ROOFLINE, TRANSFORMERS
+from kvtui.engines.factory import recorded_start
 from kvtui.engines.protocol import (
     RunFailed,
     RunFinished,
@@ -237,7 +240,32 @@ def test_a_spec_of_another_cache_is_not_used():
     assert s.kv_bytes_formula() == PER_TOKEN * 7 and s.kv_matches_formula()
 
 
-def test_windows_are_found_from_the_engine_name(tmp_path):
+def begun(engine: str = "tiny", **kw) -> RunStarted:
+    """The toy run's start from `engine`, with `kw` for its fields."""
+    return replace(started(engine=engine), **kw)
+
+
+MISTRAL_ON_ONE = {"layers": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bf16"}
+"""mistral-7b's start on one GPU: 2 x 32 layers x 8 heads x 128 x 2 bytes a position."""
+
+
+def test_windows_are_what_the_start_states():
+    """The fold reads a run's windows from its start (the engine read its config), no file."""
+    hf = windowed_spec(begun(sliding_window=4, sliding_layers=(0, 1)))
+    assert hf is not None and hf.layer_windows() == (4, 4)
+    assert kv_bytes(hf, 7, 1, "fp32") == 2 * 4 * 32  # the run's own shape, capped
+    assert windowed_spec(started()) is None
+    # the hf engine's cache keeps 4 positions in each layer: 2 x 4 x 32 bytes after 7
+    s = RunSummary()
+    s.apply(begun("hf:/moved/away", sliding_window=4, sliding_layers=(0, 1)))
+    s.apply(step("cached", 0, 0.5))
+    s.apply(step("cached", 4, 0.25, windows=hf))
+    assert s.kv_bytes_formula() == 2 * 4 * 32 == s.loop("cached").kv_bytes_filled
+
+
+def test_an_older_record_finds_its_windows_from_the_engine_name(tmp_path):
+    """A record written before starts stated windows gets them as it replays
+    (kvtui.engines.factory.recorded_start), where the fold once looked them up."""
     config = {
         "model_type": "mistral",
         "architectures": ["MistralForCausalLM"],
@@ -252,19 +280,22 @@ def test_windows_are_found_from_the_engine_name(tmp_path):
         "torch_dtype": "float32",
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    hf = windowed_spec(started(engine=f"hf:{tmp_path}"))
-    assert hf is not None and hf.layer_windows() == (4, 4)
-    sim = windowed_spec(started(engine="sim:mistral-7b@h100"))
-    assert sim is not None and sim.sliding_window == 4096
-    assert windowed_spec(started(engine="sim:mistral-7b@2xh100")).kv_heads == 4  # one GPU's
+    hf = recorded_start(begun(f"hf:{tmp_path}"))
+    assert hf.can == TRANSFORMERS and windowed_spec(hf).layer_windows() == (4, 4)
+    one = {**MISTRAL_ON_ONE, "kv_bytes_per_token": 2 * 32 * 8 * 128 * 2}
+    sim = recorded_start(begun("sim:mistral-7b@h100", **one))
+    assert sim.can == ROOFLINE and sim.sliding_window == 4096
+    assert len(sim.sliding_layers) == 32
+    two = {**one, "kv_heads": 4, "kv_bytes_per_token": 2 * 32 * 4 * 128 * 2}  # one GPU's share
+    assert recorded_start(begun("sim:mistral-7b@2xh100", **two)).sliding_window == 4096
+    assert recorded_start(begun("sim:mistral-7b@2xh100", **one)).sliding_window is None
     for engine in ("tiny", "shape:mistral-7b", "sim:llama-3.1-8b@h100", "hf:/no/such", "nope"):
-        assert windowed_spec(started(engine=engine)) is None
-    # the hf engine's cache keeps 4 positions in each layer: 2 x 4 x 32 bytes after 7
-    s = RunSummary()
-    s.apply(started(engine=f"hf:{tmp_path}"))
-    s.apply(step("cached", 0, 0.5))
-    s.apply(step("cached", 4, 0.25, windows=hf))
-    assert s.kv_bytes_formula() == 2 * 4 * 32 == s.loop("cached").kv_bytes_filled
+        for shape in ({}, one):
+            assert recorded_start(begun(engine, **shape)).sliding_window is None
+    assert recorded_start(begun("tiny")).can == KVTUI_TORCH
+    assert recorded_start(begun("nope")).can == NOTHING
+    said = begun("sim:mistral-7b@h100", can=ROOFLINE, **one)  # a start that says
+    assert recorded_start(said) is said
 
 
 def test_a_failed_run_says_why():

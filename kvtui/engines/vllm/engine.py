@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtui.engines.capabilities import SERVED
 from kvtui.engines.protocol import (
     Loop,
     RunFinished,
@@ -246,6 +247,7 @@ class VLLMEngine:
             prompt_text=self.prompt_text,
             kv_pool_source=served.config_source,
             served_by=f"{version} at {served.url}",
+            can=SERVED,
         )
 
     def steps(self, loop: Loop) -> Generator[StepSample | RunFinished | ServerMetrics, None, None]:
