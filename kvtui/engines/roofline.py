@@ -221,6 +221,8 @@ class SimEngine:
             batch=self.settings.batch,
             ridge_flops_per_byte=self.gpu.ridge_flops_per_byte,
             ridge_source=f"the catalog's {self.gpu.display_name}",
+            modelled_gpu=self.gpu.name,
+            modelled_gpus=self.gpus,
             dtype_source=f"as vLLM serves {m.default_dtype} weights",
             prompt_text=bytes(encode_bytes(self.settings.prompt)[: self.prompt_tokens]).decode(
                 "utf-8", errors="replace"

@@ -10,8 +10,6 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import var
 from textual_plotext.plot import Plot
 
-from kvtui.engines.factory import parse_engine
-from kvtui.errors import EngineError
 from kvtui.format import format_int, format_ratio, format_seconds, format_tick
 from kvtui.run.live import CachePicture, LoopTrace
 from kvtui.screens.base import WorkScreen
@@ -193,16 +191,18 @@ class CacheScreen(WorkScreen):
     def _why_modelled(self) -> str:
         """Why the roofline's speedup is what it is: an uncached step is memory-bound, as
         cheap as a cached one, until it recomputes enough positions to be compute-bound."""
-        try:
-            spec = parse_engine(self.run.settings.engine)
-            model, gpu = get_model(spec.model or ""), get_gpu(spec.gpu or "")
-        except (EngineError, UnknownNameError):
-            return "Times are modelled (roofline), not measured."
-        if spec.gpus > 1:
+        started, plain = self.run.started, "Times are modelled (roofline), not measured."
+        if started is None:
+            return plain
+        try:  # a record from before the start event named its GPU has ""
+            model, gpu = get_model(started.model), get_gpu(started.modelled_gpu)
+        except UnknownNameError:
+            return plain
+        if started.modelled_gpus > 1:
             return (
-                f"Modelled (roofline), not measured: {spec.gpus} {gpu.display_name}s each read "
-                "their share of the weights and exchange activations twice a layer; a step "
-                "recomputing few positions costs what a cached one does."
+                f"Modelled (roofline), not measured: {started.modelled_gpus} {gpu.display_name}s "
+                "each read their share of the weights and exchange activations twice a layer; a "
+                "step recomputing few positions costs what a cached one does."
             )
         crossover = compute_bound_positions(model, gpu)
         where = (

@@ -173,3 +173,20 @@ def test_a_replay_names_the_device_it_was_recorded_on():
     undated = LiveRun(RunSettings(f"replay:{RECORD}"))
     undated.apply(replace(events[0], recorded_at="unknown"))  # an old record, no date anywhere
     assert undated.recorded == "recorded on cpu, date unknown"
+
+
+async def test_a_modelled_speedup_names_the_gpu_and_where_the_step_turns_compute_bound():
+    """Screen 2 on `sim:` says why the modelled time saves little: the run's start event names
+    its catalog GPU and model (no engine name parsed), and the crossover is the roofline's."""
+    from kvtui.sim.catalog import get_gpu, get_model
+    from kvtui.sim.work import compute_bound_positions
+
+    crossover = compute_bound_positions(get_model("llama-3.1-8b"), get_gpu("h100"))
+    assert crossover is not None
+    async with headless(
+        RunSettings("sim:llama-3.1-8b@h100", tokens=24), screen=2, size=(160, 48)
+    ) as run:
+        assert await run.until_done() == "done"
+        text = " ".join(run.text().split())
+    assert f"until it recomputes about {crossover:,} positions" in text
+    assert f"on the {get_gpu('h100').display_name} an uncached step" in text
