@@ -5,8 +5,9 @@ keys pick the trick and its setting, and the essentials fit 80x24."""
 from pathlib import Path
 
 from kvtui.engines.protocol import RunFailed, RunSettings
-from kvtui.screens.tricks import PoolLine, TricksScreen
+from kvtui.screens.tricks import TricksScreen
 from kvtui.testing import ScriptedEngine, headless
+from kvtui.widgets.pool_line import PoolLine
 from kvtui.widgets.stream import TokenStream
 
 SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=24, replay_speed=0)
