@@ -2,9 +2,11 @@
 
 The decode engine runs in a process of its own (`kvtui.run.process.EngineProcess`, isolated
 from the caller's directory), so the UI process never imports torch and a busy UI cannot slow
-the steps it measures. A thread worker reads the engine's events and posts them back in batches,
-at most RUN_UPDATES_PER_SECOND a second (the one throttle between the engine and the screen); the
-app folds them into its `LiveRun` and posts itself a `RunChanged`, which coalesces (a burst is
+the steps it measures. The App owns every engine process through its `engines` (its run's, and
+screen 4's race's, which that screen is handed). A thread worker reads the run's engine with the
+one reader (kvtui.run.reader), which hands it the events in batches, at most
+RUN_UPDATES_PER_SECOND a second (the one throttle between the engine and the screen); the app
+folds them into its `LiveRun` and posts itself a `RunChanged`, which coalesces (a burst is
 handled once, the latest), and sets its `run` var to a read-only snapshot of the run. Each
 screen follows `run` with `data_bind` and redraws when it changes: no polling, and nothing a
 screen draws is written by it.
@@ -20,15 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from textual import work
 from textual.app import App
@@ -45,7 +45,8 @@ from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.format import safe_text
 from kvtui.options import THEMES, UsageError
-from kvtui.run.live import RUN_UPDATES_PER_SECOND, LiveRun
+from kvtui.run.live import LiveRun
+from kvtui.run.reader import EngineFactory, EngineHandle
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen
@@ -66,41 +67,6 @@ LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 MODES = ("recompute", "cache", "memory", "tricks")
 """The lesson's screens, in order: keys 1, 2, 3 and 4."""
-
-POST_INTERVAL_S = 1 / RUN_UPDATES_PER_SECOND
-"""The reader worker posts at most one batch of events per this many seconds."""
-
-
-class EngineHandle(Protocol):
-    """The app's handle on a running engine (`kvtui.run.process.EngineProcess` is one)."""
-
-    def start(self) -> None: ...
-    def events(self) -> Iterator[Event]: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def stop(self) -> None: ...
-    def close(self, timeout: float = 1.0) -> None: ...
-    @property
-    def alive(self) -> bool: ...
-
-
-EngineFactory = Callable[[RunSettings], EngineHandle]
-
-
-def engine_process(settings: RunSettings) -> EngineHandle:
-    """The real engine: a child process running `python -m kvtui.engines.child`."""
-    from kvtui.run.process import EngineProcess
-
-    return EngineProcess(settings)
-
-
-@runtime_checkable
-class Readies(Protocol):
-    """An engine factory that can get the next run's engine ready between runs, and must be
-    closed (`kvtui.run.process.Engines`: a spare child with torch imported)."""
-
-    def prepare(self, settings: RunSettings) -> None: ...
-    def close(self) -> None: ...
 
 
 def table_process(settings: RunSettings) -> Any:
@@ -127,9 +93,6 @@ class AppConfig:
     """The colours to open with, a key of kvtui.options.THEMES."""
     table_factory: TableFactory = table_process
     """What measures screen 4's table (a child process; in tests, `sim:` in this process)."""
-
-
-_END = object()
 
 
 class EngineCommands(Provider):
@@ -220,22 +183,18 @@ class KVApp(App[int]):
 
     @dataclass
     class EngineReported(Message, bubble=False):
-        """A batch of engine events arrived from the reader worker."""
+        """A batch of the run's engine's events arrived from its reader."""
 
         run_id: int
         events: list[Event]
-
-    @dataclass
-    class EngineExited(Message, bubble=False):
-        """The engine's event stream ended (the child exited)."""
-
-        run_id: int
 
     @dataclass
     class EngineClosed(Message, bubble=False):
         """A run's reader has closed its engine (the process has ended) and ended itself."""
 
         run_id: int
+        ended: bool
+        """Whether the engine's event stream had ended (the child exited), not been stopped."""
 
     @dataclass
     class DeviceProbed(Message, bubble=False):
@@ -250,15 +209,14 @@ class KVApp(App[int]):
             return isinstance(message, KVApp.RunChanged)
 
     def __init__(self, config: AppConfig, engine_factory: EngineFactory | None = None) -> None:
-        """`engine_factory` makes each run's engine (default: `kvtui.run.process.Engines`, a
-        child process each, with a spare started between runs)."""
+        """`engine_factory` makes each engine, the run's and screen 4's race's (default: a child
+        process each, with a spare started between runs); the App's `engines` owns them all."""
         super().__init__()
         self.config = config
-        if engine_factory is None:
-            from kvtui.run.process import Engines  # subprocess and friends: not before now
+        from kvtui.run.process import Engines  # subprocess and friends: not before now
 
-            engine_factory = Engines()
-        self._engine_factory = engine_factory
+        self.engines = Engines(engine_factory)
+        """The one owner of the engines: it makes each, and ends those still open on quitting."""
         self.live = LiveRun(config.settings)
         """The run as it folds: only the App writes it, and the screens read `run`, its copy."""
         self.engine: EngineHandle | None = None
@@ -280,7 +238,7 @@ class KVApp(App[int]):
         self._presented_from = MODES[0]
         """The screen presenter mode was entered from, and leaves to."""
         if config.autostart:  # the engine gets ready while the app draws its first frame
-            self._ready_next()
+            self.engines.prepare(self.live.settings)
         self._load: LoadProcess | None = None
         """The load `f` put on a vllm: run's server, while it runs (kvtui.engines.vllm.load)."""
         self._load_timer: Timer | None = None
@@ -328,7 +286,7 @@ class KVApp(App[int]):
             ),
             "tricks": TricksScreen(
                 self.live_run,
-                engine_factory=self._engine_factory,
+                engines=self.engines,
                 table_factory=self.config.table_factory,
             ).data_bind(run=KVApp.live_run),
         }
@@ -452,13 +410,23 @@ class KVApp(App[int]):
     def _launch(self) -> None:
         """Retire the running engine (if any) and start the latest run's."""
         self._close_engine_soon()
-        self.engine = self._engine_factory(self.live.settings)
+        self.engine = self.engines(self.live.settings)
         self._engine_run = self._run_id
         self._readers.add(self._run_id)
         self._stop_reading = threading.Event()
         self._read_engine(self.engine, self._run_id, self._stop_reading)
 
     def on_kvapp_engine_closed(self, message: EngineClosed) -> None:
+        running = self.live.state in ("running", "paused", "starting")
+        if message.ended and message.run_id == self._run_id and running:
+            self.live.apply(RunFailed("the engine exited before finishing"))
+            self._run_changed()
+            self.notify(
+                "The engine exited before finishing. Press r to restart.",
+                title="Engine stopped",
+                severity="error",
+                timeout=8,
+            )
         self._readers.discard(message.run_id)
         if self._start_waiting and not self._readers - {self._engine_run}:
             self._start_waiting = False
@@ -605,23 +573,15 @@ class KVApp(App[int]):
         if load is not None:
             load.close()
 
-    def _ready_next(self) -> None:
-        """Between runs (this one ended), let the factory get the next run's engine ready."""
-        if isinstance(self._engine_factory, Readies):
-            self._engine_factory.prepare(self.live.settings)
-
     def close_engine(self, timeout: float = 1.0) -> None:
-        """End the engine's process now (quitting): cancel the reader, then close the child (and
-        a spare the factory holds)."""
+        """End the engines' processes now (quitting): cancel the run's reader, then close every
+        engine still open (screen 4's race's too) and the spare."""
         self.close_load()
-        engine, self.engine = self.engine, None
+        self.engine = None
         self._stop_reading.set()
         self._start_waiting = False
         self.workers.cancel_group(self, "decode")
-        if isinstance(self._engine_factory, Readies):
-            self._engine_factory.close()
-        if engine is not None:
-            engine.close(timeout=timeout)
+        self.engines.close(timeout=timeout)
 
     async def action_quit(self) -> None:
         self.close_engine()
@@ -634,53 +594,19 @@ class KVApp(App[int]):
     # that it always closes its engine and says so (a worker cancelled before it ran would not).
     @work(thread=True, group="decode", exit_on_error=False)
     def _read_engine(self, engine: EngineHandle, run_id: int, stop: threading.Event) -> None:
-        """Start the engine, then relay its events in batches until it ends or `stop` is set
-        (or we are cancelled); then close it and post `EngineClosed`.
-
-        A helper thread blocks on the engine's pipe and feeds a queue, so this loop wakes every
-        POST_INTERVAL_S to check for cancellation and to post what has arrived. It never touches
-        a widget or a reactive: it only posts messages.
-        """
+        """Read the run's engine with the one reader (it starts it, hands on its events in
+        batches until it ends or `stop` is set or we are cancelled, then closes it), posting each
+        batch; then say it is closed, and whether its stream had ended (`EngineClosed`)."""
         worker = get_current_worker()
-        inbox: queue.Queue[object] = queue.Queue()
 
-        def pump() -> None:
-            try:
-                for event in engine.events():
-                    inbox.put(event)
-            except Exception as exc:  # the pipe broke: say so as the run's failure
-                inbox.put(RunFailed(f"engine stream broke: {exc}"))
-            finally:
-                inbox.put(_END)
+        def report(events: list[Event]) -> None:
+            self.post_message(self.EngineReported(run_id, events))
 
+        ended = False
         try:
-            engine.start()
-            threading.Thread(target=pump, name="kvtui-engine-pipe", daemon=True).start()
-            pending: list[Event] = []
-            last_post = 0.0
-            ended = False
-            while not ended and not stop.is_set() and not worker.is_cancelled:
-                try:
-                    item = inbox.get(timeout=POST_INTERVAL_S)
-                    while True:
-                        if item is _END:
-                            ended = True
-                            break
-                        pending.append(item)  # type: ignore[arg-type]
-                        item = inbox.get_nowait()
-                except queue.Empty:
-                    pass
-                now = time.monotonic()
-                if pending and (ended or now - last_post >= POST_INTERVAL_S):
-                    self.post_message(self.EngineReported(run_id, pending))
-                    pending, last_post = [], now
-            if ended:
-                self.post_message(self.EngineExited(run_id))
+            ended = self.engines.read(engine, report, lambda: stop.is_set() or worker.is_cancelled)
         finally:
-            try:
-                engine.close(timeout=1.0)
-            finally:
-                self.post_message(self.EngineClosed(run_id))
+            self.post_message(self.EngineClosed(run_id, ended))
 
     def on_kvapp_engine_reported(self, message: EngineReported) -> None:
         if message.run_id != self._run_id:
@@ -714,21 +640,8 @@ class KVApp(App[int]):
                     severity="error",
                     timeout=8,
                 )
-        if self.live.state in ("done", "failed"):
-            self._ready_next()
-
-    def on_kvapp_engine_exited(self, message: EngineExited) -> None:
-        if message.run_id != self._run_id:
-            return
-        if self.live.state in ("running", "paused", "starting"):
-            self.live.apply(RunFailed("the engine exited before finishing"))
-            self._run_changed()
-            self.notify(
-                "The engine exited before finishing. Press r to restart.",
-                title="Engine stopped",
-                severity="error",
-                timeout=8,
-            )
+        if self.live.state in ("done", "failed"):  # between runs: get the next one's ready
+            self.engines.prepare(self.live.settings)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.state != WorkerState.ERROR or event.worker.group != "decode":
@@ -812,8 +725,7 @@ def run_app(
     def hard_exit(code: int) -> None:
         """The app did not end within the grace after a signal (its terminal is gone, say, and
         the UI is stuck writing to it): end the engine's process, then this one."""
-        if app.engine is not None:
-            app.engine.close(timeout=0.5)
+        app.engines.close(timeout=0.5)
         os._exit(code)
 
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -5,19 +5,18 @@ running engine's model, each row landing as it is measured: what each trick keep
 how far the same pool goes with it (measured, against its own prediction), what it costs in
 quality and speed. Below, one trick races the plain cache as screen 2 races the two loops: two
 engines, each its own process, each its own pool of the same budget, their bars filling at their
-own rates, the plain one turning red and stopping first while the trick goes on. The race and the
-table are this screen's own state: it starts their processes through the factories it is given,
-and reads their events in workers that post them back.
+own rates, the plain one turning red and stopping first while the trick goes on. The race is
+another run, not another reader: its engines are made by the App's one owner of engine processes
+(kvtui.run.process.Engines, handed to this screen) and read, each in a worker of this screen's,
+by the one reader (kvtui.run.reader), whose batches the worker posts back. The table's process
+speaks another protocol (a line per row, a few a minute): a worker posts each line as it comes.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.text import Text
 from textual import on, work
@@ -31,28 +30,19 @@ from textual.widgets import Static
 from textual.worker import get_current_worker
 
 from kvtui.engines.factory import parse_engine
-from kvtui.engines.protocol import Event, RunFailed, RunSettings
+from kvtui.engines.protocol import Event, RunSettings
 from kvtui.format import format_bytes, format_int, safe_text
 from kvtui.reports.table import TABLE_ROWS, TABLE_SINKS, TABLE_TOKENS, TABLE_WINDOW, default_budget
 from kvtui.run.live import LiveRun
+from kvtui.run.reader import EngineHandle
 from kvtui.screens.base import LessonScreen
 from kvtui.sim.tricks import references
 from kvtui.widgets.pool_line import PoolLine
 from kvtui.widgets.stream import WAITING, TokenStream
 from kvtui.widgets.tricks_table import TableState, cost_words, reach_words, short_name, tricks_table
 
-RACE_UPDATES_PER_SECOND = 10
-"""How often each race engine's events are handed to the screen, at most."""
-
-
-class EngineHandle(Protocol):
-    """What the race needs of an engine (the App's `EngineHandle`)."""
-
-    def start(self) -> None: ...
-    def events(self) -> Iterator[Event]: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def close(self, timeout: float = 1.0) -> None: ...
+if TYPE_CHECKING:
+    from kvtui.run.process import Engines
 
 
 class TableHandle(Protocol):
@@ -63,7 +53,6 @@ class TableHandle(Protocol):
     def close(self, timeout: float = 1.0) -> None: ...
 
 
-EngineFactory = Callable[[RunSettings], EngineHandle]
 TableFactory = Callable[[RunSettings], TableHandle]
 
 
@@ -173,12 +162,14 @@ class TricksScreen(LessonScreen):
         self,
         run: LiveRun,
         *,
-        engine_factory: EngineFactory,
+        engines: Engines,
         table_factory: TableFactory,
         name: str | None = None,
     ) -> None:
+        """`engines` makes the race's engines and reads them (the App's, which owns every
+        engine process); `table_factory` makes the table's process."""
         super().__init__(run, name=name)
-        self._engine_factory, self._table_factory = engine_factory, table_factory
+        self._engines, self._table_factory = engines, table_factory
         self.table = TableState()
         self.race: dict[str, LiveRun] = {}
         """The race's two runs, folded (this screen owns them)."""
@@ -305,7 +296,7 @@ class TricksScreen(LessonScreen):
         settings = self._race_settings()
         self.race = {side: LiveRun(settings[side]) for side in SIDES}
         for side in SIDES:
-            handle = self._engine_factory(settings[side])
+            handle = self._engines(settings[side])
             self._handles[side] = handle
             self._read_race(handle, side, self._race_id)
         self.mark_dirty()
@@ -347,42 +338,15 @@ class TricksScreen(LessonScreen):
 
     @work(thread=True, group="race", exit_on_error=False)
     def _read_race(self, engine: EngineHandle, side: str, race_id: int) -> None:
-        """Start one race engine and relay its events in batches until it ends or the race is
-        started again (as the App's reader does for the main run)."""
+        """Read one race engine with the one reader, as the App reads its run's: it starts it,
+        hands on its events in batches until it ends or the race is started again (this worker
+        cancelled), then closes it; each batch is posted back."""
         worker = get_current_worker()
-        inbox: queue.Queue[Event | None] = queue.Queue()
 
-        def pump() -> None:
-            try:
-                for event in engine.events():
-                    inbox.put(event)
-            except Exception as exc:  # the pipe broke: the run's failure
-                inbox.put(RunFailed(f"engine stream broke: {exc}"))
-            finally:
-                inbox.put(None)
+        def report(events: list[Event]) -> None:
+            self.post_message(self.RaceReported(race_id, side, events))
 
-        try:
-            engine.start()
-            threading.Thread(target=pump, name=f"kvtui-race-{side}", daemon=True).start()
-            pending: list[Event] = []
-            last, ended = 0.0, False
-            while not ended and not worker.is_cancelled:
-                try:
-                    item = inbox.get(timeout=1 / RACE_UPDATES_PER_SECOND)
-                    while True:
-                        if item is None:
-                            ended = True
-                            break
-                        pending.append(item)
-                        item = inbox.get_nowait()
-                except queue.Empty:
-                    pass
-                now = time.monotonic()
-                if pending and (ended or now - last >= 1 / RACE_UPDATES_PER_SECOND):
-                    self.post_message(self.RaceReported(race_id, side, pending))
-                    pending, last = [], now
-        finally:
-            engine.close(timeout=1.0)
+        self._engines.read(engine, report, lambda: worker.is_cancelled, name=f"kvtui-race-{side}")
 
     @work(thread=True, group="table", exit_on_error=False)
     def _read_table(self, handle: TableHandle, table_id: int) -> None:
