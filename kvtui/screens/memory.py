@@ -1,24 +1,30 @@
-"""Screen 3: the cache grows and eats memory."""
+"""Screen 3: the cache grows and eats memory.
+
+Above, the running engine's memory, measured: its KV pool filling (and a vllm: run's server's
+cache); below, a what-if budget of any model on any GPU. Its keys choose the next run's batch
+(`n`) and KV budget (`[`, `]`, `\\`), which the App owns and `r` runs (the screen sets them
+through the `NextRun` it is given), and put a load on a served run's server (`f`, a `kvtui load`
+process this screen starts and ends).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from functools import partial
+from typing import TYPE_CHECKING, Protocol
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
 from textual.events import Resize
 from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
+from kvtui.commands import BudgetCommands
 from kvtui.engines.factory import parse_engine
 from kvtui.errors import EngineError
-from kvtui.format import format_bytes, format_int, format_percent, format_tick
+from kvtui.format import format_bytes, format_int, format_percent, format_tick, safe_text
 from kvtui.run.live import LiveRun
 from kvtui.screens.base import LessonScreen
 from kvtui.sim.budget import LESSON_BUDGET, Budget, budget, vram_split
@@ -38,6 +44,7 @@ from kvtui.sim.catalog import (
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
 from kvtui.sim.parallel import shard
+from kvtui.sim.pool import step_budget
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
 from kvtui.widgets.live_pool import NO_POOL_WORDS, live_pool_bar, live_words, pool_words
@@ -45,7 +52,15 @@ from kvtui.widgets.plain import plain
 from kvtui.widgets.served import ServedCache
 from kvtui.widgets.vram import VramBar, whatif_bar
 
+if TYPE_CHECKING:
+    from textual.timer import Timer
+
+    from kvtui.run.process import LoadProcess
+
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+"""The what-if's batches (b)."""
+LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+"""The batches the next run's n steps through (`--batch` takes any up to 256)."""
 MIN_CONTEXT, MAX_CONTEXT = 1, 16_777_216
 
 
@@ -78,26 +93,12 @@ MEMORY_CAPTION = (
 MEMORY_CAPTION_NARROW = "{memory} memory in use  {capacity} capacity\n{marker} the context chosen"
 
 
-class BudgetCommands(Provider):
-    """Command palette entries on screen 3: the what-if's model and GPU."""
+class NextRun(Protocol):
+    """The next run's batch and KV budget, which `r` runs: the App's (kvtui.app.KVApp), set by
+    this screen's keys; the screen follows them back (`batch_next`, `kv_budget`)."""
 
-    def _commands(self) -> list[tuple[str, Callable[[], None]]]:
-        screen = self.screen
-        assert isinstance(screen, MemoryScreen)
-        return [
-            *((f"Model: {n}", partial(screen.choose, model=n)) for n in model_names()),
-            *((f"GPU: {n}", partial(screen.choose, gpu=n)) for n in gpu_names()),
-        ]
-
-    async def discover(self) -> Hits:
-        for text, command in self._commands():
-            yield DiscoveryHit(text, command, help="screen 3's what-if")
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for text, command in self._commands():
-            if (score := matcher.match(text)) > 0:
-                yield Hit(score, matcher.highlight(text), command, help="screen 3's what-if")
+    batch: int
+    kv_budget: int | None
 
 
 class MemoryScreen(LessonScreen):
@@ -108,11 +109,11 @@ class MemoryScreen(LessonScreen):
 
     BINDINGS = [
         Binding("right", "context(1)", "Context", key_display="←→ -+"),
-        Binding("left_square_bracket", "app.budget(-1)", "Budget", key_display="[ ]"),
-        Binding("right_square_bracket", "app.budget(1)", "Budget +", show=False),
-        Binding("backslash", "app.budget(0)", "Default budget", show=False),
-        Binding("n", "app.batch", "Batch", show=False),
-        Binding("f", "app.fill", "Fill"),
+        Binding("left_square_bracket", "budget(-1)", "Budget", key_display="[ ]"),
+        Binding("right_square_bracket", "budget(1)", "Budget +", show=False),
+        Binding("backslash", "budget(0)", "Default budget", show=False),
+        Binding("n", "batch", "Batch", show=False),
+        Binding("f", "fill", "Fill"),
         Binding("left", "context(-1)", "Context -", show=False),
         Binding("plus,equals_sign", "context_scale(2)", "Context x2", show=False),
         Binding("minus", "context_scale(0.5)", "Context /2", show=False),
@@ -138,8 +139,18 @@ class MemoryScreen(LessonScreen):
     batch_next: reactive[int] = reactive(1, init=False)
     """The batch the next run decodes (the App's `batch`, followed; `batch` is the what-if's)."""
 
-    def __init__(self, run: LiveRun, *, name: str | None = None) -> None:
+    def __init__(self, run: LiveRun, *, next_run: NextRun, name: str | None = None) -> None:
         super().__init__(run, name=name)
+        self._next_run = next_run
+        self._default_pool: int | None = None
+        """The pool an engine took without a budget, once one has run: the budget keys' top."""
+        self._pool_engine = ""
+        """The engine `_default_pool` is of."""
+        self._served = False
+        """Whether the run has a server to fill (f shows then)."""
+        self._load: LoadProcess | None = None
+        """The load `f` put on a vllm: run's server, while it runs (kvtui.engines.vllm.load)."""
+        self._load_timer: Timer | None = None
         self._gpu_chosen = self._model_chosen = False
         self._followed = ""
         """The engine the what-if last followed."""
@@ -248,6 +259,109 @@ class MemoryScreen(LessonScreen):
             tp=self.tp,
         )
 
+    # --- the next run (n, the budget keys) and a load on its server (f) -----------------------
+
+    def action_batch(self) -> None:
+        """n: the next run's batch, doubling from 1 to 64 and round again; r runs it."""
+        if parse_engine(self.run.settings.engine).kind in ("hf", "replay"):
+            self.notify("A batch runs on kvtui's own engines (tiny, shape:, sim:)", timeout=4)
+            return
+        batch = self.batch_next
+        self._next_run.batch = 1 if batch >= LIVE_BATCHES[-1] else batch * 2
+
+    def action_budget(self, direction: int) -> None:
+        """The budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
+        engine's default (0); `r` runs it. Budgets are powers of two of bytes (see
+        `kvtui.sim.pool.step_budget`)."""
+        live = self.run.pool()
+        if live is None:
+            self.notify(
+                "The running engine has no KV pool to budget (hf: keeps transformers' own cache)"
+                if self.run.started
+                else "The engine has not started yet",
+                timeout=4,
+            )
+            return
+        if direction == 0:
+            self._next_run.kv_budget = None
+            self.notify("Next run: the engine's default KV pool (press r)", timeout=3)
+            return
+        pool = live.pool
+        current = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
+        positions = live.prompt_tokens + self.length - 1
+        need = pool.blocks_for(positions, self.batch_next) * pool.block_bytes
+        budget = step_budget(current, need, direction, smallest=pool.block_bytes)
+        if self._default_pool is not None:
+            budget = min(budget, self._default_pool)
+        self._next_run.kv_budget = budget
+
+    def _follow_next_run(self, run: LiveRun) -> None:
+        """What the budget keys and f follow of the run: the pool an engine took without a
+        budget (the keys' top; forgotten with another engine), and whether it has a server."""
+        if run.settings.engine != self._pool_engine:
+            self._pool_engine, self._default_pool = run.settings.engine, None
+        if run.started is not None and run.settings.kv_budget_bytes is None:
+            self._default_pool = run.started.kv_capacity_bytes
+        if self._served != (run.server is not None):
+            self._served = run.server is not None
+            self.refresh_bindings()  # f (fill) with a served run's server
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """`f` (fill) only with a vllm: run's server to fill."""
+        return self.run.server is not None if action == "fill" else True
+
+    def action_fill(self) -> None:
+        """With vllm:, put a load on the server that asks for twice its KV cache
+        (kvtui.engines.vllm.load.fill_plan), in a `kvtui load` process of its own; once at a
+        time."""
+        from kvtui.engines.vllm.load import fill_plan
+        from kvtui.run.process import LoadProcess
+
+        server, url = self.run.server, parse_engine(self.run.settings.engine).url
+        latest = server.latest if server is not None else None
+        if url is None or latest is None or not latest.kv_capacity_tokens:
+            self.notify("No KV-cache figures from the server yet: f waits for them", timeout=4)
+            return
+        if self._load is not None and self._load.running:
+            self.notify("A load is already on the server (it stops by itself)", timeout=4)
+            return
+        started = self.run.started
+        plan = fill_plan(url, latest.kv_capacity_tokens, started and started.max_positions)
+        self.close_load()
+        if self._load_timer is not None:
+            self._load_timer.stop()
+        self._load = LoadProcess(plan)
+        self._load.start()
+        self.notify(
+            f"kvtui load: {plan.requests} requests of {plan.prompt_tokens:,} + "
+            f"{plan.max_tokens:,} tokens, {plan.concurrency} at a time (at most "
+            f"{plan.seconds:.0f} s)",
+            title="Filling vLLM's KV cache",
+            timeout=5,
+        )
+        self._load_timer = self.set_interval(0.5, self._check_load)
+
+    def _check_load(self) -> None:
+        load = self._load
+        if load is not None and load.running:
+            return
+        if self._load_timer is not None:
+            self._load_timer.stop()
+            self._load_timer = None
+        if load is None:
+            return
+        self.notify(safe_text(load.outcome()), title="The load ended", markup=False, timeout=8)
+        self.close_load()
+
+    def close_load(self) -> None:
+        """End the load `f` started, if it still runs."""
+        load, self._load = self._load, None
+        if load is not None:
+            load.close()
+
+    def on_unmount(self) -> None:
+        self.close_load()
+
     # --- drawing -----------------------------------------------------------------------------
 
     def on_mount(self) -> None:
@@ -352,6 +466,7 @@ class MemoryScreen(LessonScreen):
         """Start the what-if from the running model (and a `sim:` engine's GPU), unless the
         presenter chose them by hand; once per run's engine; its KV dtype from the run's
         --kv-cache-dtype, unless k chose one. A watcher of the run, not part of drawing."""
+        self._follow_next_run(run)
         self._follow_engine(run)
         followed = (run.settings.engine, run.settings.kv_cache_dtype)
         if followed != self._followed_kv and not self._kv_chosen:
