@@ -1,114 +1,51 @@
-"""The kvtui App: three lesson screens as modes, app-wide keys, and the engine's reader worker.
+"""The kvtui App: the lesson's screens as modes, app-wide keys, and the run they show.
 
-The decode engine runs in a process of its own (`kvtui.run.process.EngineProcess`, isolated
-from the caller's directory), so the UI process never imports torch and a busy UI cannot slow
-the steps it measures. A thread worker reads the engine's events and posts them back in batches,
-at most RUN_UPDATES_PER_SECOND a second (the one throttle between the engine and the screen); the
-app folds them into its `LiveRun` and posts itself a `RunChanged`, which coalesces (a burst is
-handled once, the latest), and sets its `run` var to a read-only snapshot of the run. Each
-screen follows `run` with `data_bind` and redraws when it changes: no polling, and nothing a
-screen draws is written by it.
+The engine runs in a process of its own (kvtui.run.process), so the UI never imports torch and a
+busy UI cannot slow the steps it measures. The App owns every engine process through `engines`
+(its run's, and screen 4's race's, which that screen is handed). A thread worker reads the run's
+engine with the one reader (kvtui.run.reader), which hands it the events in batches, at most
+RUN_UPDATES_PER_SECOND a second; the App folds them into its `LiveRun` and, once for a burst
+(`RunChanged` coalesces), sets `live_run` to a read-only snapshot that the screens follow with
+`data_bind`: they redraw when it changes, and nothing a screen draws is written by it.
 
-State that two screens share has one owner, the App: the run (`run`), the next run's length,
-batch and KV budget (`length`, `batch`, `kv_budget`, with the cap the running model sets,
-`longest_run`), whether the cache is on (`cache_on`) and the catalog GPU the probe matched
-(`device_gpu`) are App vars that the screens follow with `data_bind`; their keys call the App's
-actions that change them. Anything an engine or a file says is shown as text, never as markup.
+State that two screens share has one owner, the App: the run, the next run's length, batch and KV
+budget (with the cap the running model sets, `longest_run`), whether the cache is on and the GPU
+the probe matched are App vars the screens follow; their keys call the App's actions, or (screen
+3's) set them through the interface that screen is given. Anything an engine or a file says is
+shown as text, never as markup.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import queue
-import signal
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any
 
-from textual import work
-from textual.app import App
+from textual import on, work
 from textual.binding import Binding
-from textual.command import CommandListItem, DiscoveryHit, Hit, Hits, Provider, SimpleProvider
 from textual.driver import Driver
 from textual.message import Message
 from textual.reactive import var
-from textual.theme import ThemeProvider
-from textual.widget import AwaitMount
 from textual.worker import Worker, WorkerState, get_current_worker
 
-from kvtui.engines.capabilities import OWN_ENGINES
-from kvtui.engines.factory import parse_engine
+from kvtui.commands import PaletteApp
 from kvtui.engines.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.format import safe_text
 from kvtui.options import THEMES, UsageError
-from kvtui.run.live import RUN_UPDATES_PER_SECOND, LiveRun
-from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step
+from kvtui.reports.table import TableProcess
+from kvtui.run.live import LiveRun
+from kvtui.run.reader import EngineFactory, EngineHandle
+from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step, longest_run
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen
 from kvtui.screens.present import PresentScreen
 from kvtui.screens.recompute import RecomputeScreen
 from kvtui.screens.tricks import TableFactory, TricksScreen
-from kvtui.sim.catalog import GPUSpec, gpu_from_probe, model_names
-from kvtui.sim.pool import step_budget
-from kvtui.terminal import CommandPalette, DriverError, checked_driver
-
-if TYPE_CHECKING:
-    from textual.timer import Timer
-
-    from kvtui.run.process import LoadProcess
-
-LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-"""The batches screen 3's n steps through (`--batch` takes any up to 256)."""
+from kvtui.sim.catalog import GPUSpec, gpu_from_probe
+from kvtui.terminal import DriverError, checked_driver, ended_by_signals
 
 MODES = ("recompute", "cache", "memory", "tricks")
 """The lesson's screens, in order: keys 1, 2, 3 and 4."""
-
-POST_INTERVAL_S = 1 / RUN_UPDATES_PER_SECOND
-"""The reader worker posts at most one batch of events per this many seconds."""
-
-
-class EngineHandle(Protocol):
-    """The app's handle on a running engine (`kvtui.run.process.EngineProcess` is one)."""
-
-    def start(self) -> None: ...
-    def events(self) -> Iterator[Event]: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def stop(self) -> None: ...
-    def close(self, timeout: float = 1.0) -> None: ...
-    @property
-    def alive(self) -> bool: ...
-
-
-EngineFactory = Callable[[RunSettings], EngineHandle]
-
-
-def engine_process(settings: RunSettings) -> EngineHandle:
-    """The real engine: a child process running `python -m kvtui.engines.child`."""
-    from kvtui.run.process import EngineProcess
-
-    return EngineProcess(settings)
-
-
-@runtime_checkable
-class Readies(Protocol):
-    """An engine factory that can get the next run's engine ready between runs, and must be
-    closed (`kvtui.run.process.Engines`: a spare child with torch imported)."""
-
-    def prepare(self, settings: RunSettings) -> None: ...
-    def close(self) -> None: ...
-
-
-def table_process(settings: RunSettings) -> Any:
-    """Screen 4's table, measured in a child process of its own (kvtui.reports.tricks)."""
-    from kvtui.reports.table import TableProcess
-
-    return TableProcess(settings)
 
 
 @dataclass(frozen=True)
@@ -126,59 +63,15 @@ class AppConfig:
     """Open in presenter mode (kvtui.screens.present; `p` toggles it)."""
     theme: str = "dark"
     """The colours to open with, a key of kvtui.options.THEMES."""
-    table_factory: TableFactory = table_process
+    table_factory: TableFactory = TableProcess
     """What measures screen 4's table (a child process; in tests, `sim:` in this process)."""
 
 
-_END = object()
-
-
-class EngineCommands(Provider):
-    """Command palette entries: restart with another engine."""
-
-    def _commands(self) -> list[tuple[str, Callable[[], None], str]]:
-        app = self.app
-        assert isinstance(app, KVApp)
-        commands: list[tuple[str, Callable[[], None], str]] = [
-            ("Engine: tiny", partial(app.restart_with, "tiny"), "the shipped model, real torch")
-        ]
-        for name in model_names():
-            commands.append(
-                (
-                    f"Engine: sim:{name}@h100",
-                    partial(app.restart_with, f"sim:{name}@h100"),
-                    "roofline-timed steps, no torch",
-                )
-            )
-        for name in model_names():
-            commands.append(
-                (
-                    f"Engine: shape:{name}",
-                    partial(app.restart_with, f"shape:{name}"),
-                    "the model's real shape, random weights",
-                )
-            )
-        return commands
-
-    async def discover(self) -> Hits:
-        for text, command, help_text in self._commands():
-            if text.startswith(("Engine: tiny", "Engine: sim:llama-3.1-8b")):
-                yield DiscoveryHit(text, command, help=help_text)
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for text, command, help_text in self._commands():
-            score = matcher.match(text)
-            if score > 0:
-                yield Hit(score, matcher.highlight(text), command, help=help_text)
-
-
-class KVApp(App[int]):
+class KVApp(PaletteApp):
     """kvtui: see, and measure, why LLM decoding needs a KV cache."""
 
     TITLE = "kvtui"
     CSS_PATH = "kvtui.tcss"
-    COMMANDS = App.COMMANDS | {EngineCommands}
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-medium"), (140, "-wide")]
     VERTICAL_BREAKPOINTS = [(0, "-short"), (30, "-tall"), (42, "-taller")]
     """Size classes on every screen, for the stylesheet: 80x24 is -narrow -short."""
@@ -221,22 +114,18 @@ class KVApp(App[int]):
 
     @dataclass
     class EngineReported(Message, bubble=False):
-        """A batch of engine events arrived from the reader worker."""
+        """A batch of the run's engine's events arrived from its reader."""
 
         run_id: int
         events: list[Event]
-
-    @dataclass
-    class EngineExited(Message, bubble=False):
-        """The engine's event stream ended (the child exited)."""
-
-        run_id: int
 
     @dataclass
     class EngineClosed(Message, bubble=False):
         """A run's reader has closed its engine (the process has ended) and ended itself."""
 
         run_id: int
+        ended: bool
+        """Whether the engine's event stream had ended (the child exited), not been stopped."""
 
     @dataclass
     class DeviceProbed(Message, bubble=False):
@@ -251,15 +140,14 @@ class KVApp(App[int]):
             return isinstance(message, KVApp.RunChanged)
 
     def __init__(self, config: AppConfig, engine_factory: EngineFactory | None = None) -> None:
-        """`engine_factory` makes each run's engine (default: `kvtui.run.process.Engines`, a
-        child process each, with a spare started between runs)."""
+        """`engine_factory` makes each engine, the run's and screen 4's race's (default: a child
+        process each, with a spare started between runs); the App's `engines` owns them all."""
         super().__init__()
         self.config = config
-        if engine_factory is None:
-            from kvtui.run.process import Engines  # subprocess and friends: not before now
+        from kvtui.run.process import Engines  # subprocess and friends: not before now
 
-            engine_factory = Engines()
-        self._engine_factory = engine_factory
+        self.engines = Engines(engine_factory)
+        """The one owner of the engines: it makes each, and ends those still open on quitting."""
         self.live = LiveRun(config.settings)
         """The run as it folds: only the App writes it, and the screens read `run`, its copy."""
         self.engine: EngineHandle | None = None
@@ -276,40 +164,15 @@ class KVApp(App[int]):
         self.set_reactive(KVApp.length, self.validate_length(config.settings.tokens))
         self.set_reactive(KVApp.kv_budget, config.settings.kv_budget_bytes)
         self.set_reactive(KVApp.batch, config.settings.batch)
-        self._default_pool: int | None = None
-        """The pool an engine took without a budget, once one has run: the budget keys' top."""
         self._presented_from = MODES[0]
         """The screen presenter mode was entered from, and leaves to."""
         if config.autostart:  # the engine gets ready while the app draws its first frame
-            self._ready_next()
-        self._load: LoadProcess | None = None
-        """The load `f` put on a vllm: run's server, while it runs (kvtui.engines.vllm.load)."""
-        self._load_timer: Timer | None = None
+            self.engines.prepare(self.live.settings)
 
     # --- the terminal (kvtui.terminal guards what Textual does not survive) -------------------
 
     def get_driver_class(self) -> type[Driver]:
         return checked_driver(super().get_driver_class)
-
-    def action_command_palette(self) -> None:
-        # No id, where Textual gives it "--command-palette": ctrl+p again while the last one
-        # is still being removed made a second node of that id (DuplicateIds, in the sweep).
-        if self.use_command_palette and not CommandPalette.is_open(self):
-            self.push_screen(CommandPalette())
-
-    def search_themes(self) -> None:  # the palette's "Theme" command: kvtui's palette too
-        self.push_screen(
-            CommandPalette(providers=[ThemeProvider], placeholder="Search for themes…")
-        )
-
-    def search_commands(
-        self, commands: Sequence[CommandListItem], placeholder: str = "Search for commands…"
-    ) -> AwaitMount:
-        return self.push_screen(
-            CommandPalette(
-                providers=[SimpleProvider(self.screen, commands)], placeholder=placeholder
-            )
-        )
 
     # --- startup and screens -----------------------------------------------------------------
 
@@ -320,7 +183,7 @@ class KVApp(App[int]):
             "cache": CacheScreen(self.live_run).data_bind(
                 KVApp.length, KVApp.cache_on, run=KVApp.live_run
             ),
-            "memory": MemoryScreen(self.live_run).data_bind(
+            "memory": MemoryScreen(self.live_run, next_run=self).data_bind(
                 KVApp.device_gpu,
                 KVApp.kv_budget,
                 KVApp.length,
@@ -329,7 +192,7 @@ class KVApp(App[int]):
             ),
             "tricks": TricksScreen(
                 self.live_run,
-                engine_factory=self._engine_factory,
+                engines=self.engines,
                 table_factory=self.config.table_factory,
             ).data_bind(run=KVApp.live_run),
         }
@@ -363,17 +226,6 @@ class KVApp(App[int]):
 
         self.push_screen(QuizScreen())
 
-    def deliver_screenshot(
-        self, filename: str | None = None, path: str | None = None, time_format: str | None = None
-    ) -> str | None:
-        """The palette's Screenshot: into ~/Downloads where there is one (Textual's choice),
-        else the current folder. Textual assumed the Downloads folder exists, and on a server
-        without one said only "Failed to save screenshot"."""
-        if path is None:
-            downloads = Path.home() / "Downloads"
-            path = str(downloads if downloads.is_dir() else Path.cwd())
-        return super().deliver_screenshot(filename, path, time_format)
-
     def action_help(self) -> None:
         from kvtui.screens.help import HelpScreen
 
@@ -391,7 +243,8 @@ class KVApp(App[int]):
         """Tell the screens, soon and once for a burst: the handler snapshots the run."""
         self.post_message(self.RunChanged())
 
-    def on_kvapp_run_changed(self, message: RunChanged) -> None:
+    @on(RunChanged)
+    def _snapshot_run(self) -> None:
         self.live_run = self.live.snapshot()
 
     def action_longer(self) -> None:
@@ -422,7 +275,8 @@ class KVApp(App[int]):
 
         self.post_message(self.DeviceProbed(probe_summary()))
 
-    def on_kvapp_device_probed(self, message: DeviceProbed) -> None:
+    @on(DeviceProbed)
+    def _device_probed(self, message: DeviceProbed) -> None:
         self._probed(message.summary)
 
     def _probed(self, summary: dict[str, Any]) -> None:
@@ -440,8 +294,6 @@ class KVApp(App[int]):
         most one engine running and one ending at any moment (each is a process with a model in
         memory)."""
         self._run_id += 1
-        if settings is not None and settings.engine != self.live.settings.engine:
-            self._default_pool = None  # another engine: its own default pool, once it has run
         self.live.reset(settings or self.live.settings)
         self.longest_run = MAX_LENGTH  # until the new run's model says
         self._run_changed()
@@ -451,15 +303,24 @@ class KVApp(App[int]):
         self._launch()
 
     def _launch(self) -> None:
-        """Retire the running engine (if any) and start the latest run's."""
-        self._close_engine_soon()
-        self.engine = self._engine_factory(self.live.settings)
+        """Retire the running engine, if any (its reader ends, closes it and says so), and start
+        the latest run's."""
+        if self.engine is not None:
+            self.engine.stop()
+        self._stop_reading.set()
+        self.engine = self.engines(self.live.settings)
         self._engine_run = self._run_id
         self._readers.add(self._run_id)
         self._stop_reading = threading.Event()
         self._read_engine(self.engine, self._run_id, self._stop_reading)
 
-    def on_kvapp_engine_closed(self, message: EngineClosed) -> None:
+    @on(EngineClosed)
+    def _engine_closed(self, message: EngineClosed) -> None:
+        running = self.live.state in ("running", "paused", "starting")
+        if message.ended and message.run_id == self._run_id and running:
+            self.live.apply(RunFailed("the engine exited before finishing"))
+            self._run_changed()
+            self._say_stopped("The engine exited before finishing. Press r to restart.")
         self._readers.discard(message.run_id)
         if self._start_waiting and not self._readers - {self._engine_run}:
             self._start_waiting = False
@@ -479,39 +340,6 @@ class KVApp(App[int]):
                 batch=self.batch,
             )
         )
-
-    def action_batch(self) -> None:
-        """Screen 3's n: the next run's batch, doubling from 1 to 64 and round again; r runs
-        it."""
-        if not self.live.can.own_cache:
-            self.notify(f"A batch runs on {OWN_ENGINES}", timeout=4)
-            return
-        self.batch = 1 if self.batch >= LIVE_BATCHES[-1] else self.batch * 2
-
-    def action_budget(self, direction: int) -> None:
-        """Screen 3's budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
-        engine's default (0); `r` runs it. Budgets are powers of two of bytes (see
-        `kvtui.sim.pool.step_budget`)."""
-        live = self.live.pool()
-        if live is None:
-            self.notify(
-                "The running engine has no KV pool to budget (hf: keeps transformers' own cache)"
-                if self.live.started
-                else "The engine has not started yet",
-                timeout=4,
-            )
-            return
-        if direction == 0:
-            self.kv_budget = None
-            self.notify("Next run: the engine's default KV pool (press r)", timeout=3)
-            return
-        pool = live.pool
-        current = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
-        need = pool.blocks_for(live.prompt_tokens + self.length - 1, self.batch) * pool.block_bytes
-        budget = step_budget(current, need, direction, smallest=pool.block_bytes)
-        if self._default_pool is not None:
-            budget = min(budget, self._default_pool)
-        self.kv_budget = budget
 
     def action_lesson(self) -> None:
         """Lesson mode on (a one-token prompt, 24 tokens: the lesson's figures, measured) or off
@@ -543,86 +371,14 @@ class KVApp(App[int]):
             self.live.set_state("running")
         self._run_changed()
 
-    def _close_engine_soon(self) -> None:
-        """Stop the current engine and forget it: its reader ends, closes it and says so
-        (`EngineClosed`)."""
-        if self.engine is not None:
-            self.engine.stop()
-        self._stop_reading.set()
-        self.engine, self._engine_run = None, 0
-
-    # --- a load on a served run's server (screen 3's f) --------------------------------------
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """`f` (fill) only with a vllm: run's server to fill."""
-        return self.live.server is not None if action == "fill" else True
-
-    def action_fill(self) -> None:
-        """Screen 3 with vllm:: put a load on the server that asks for twice its KV cache
-        (kvtui.engines.vllm.load.fill_plan), in a `kvtui load` process of its own; once at a
-        time."""
-        from kvtui.engines.vllm.load import fill_plan
-        from kvtui.run.process import LoadProcess
-
-        server, url = self.live.server, parse_engine(self.live.settings.engine).url
-        latest = server.latest if server is not None else None
-        if url is None or latest is None or not latest.kv_capacity_tokens:
-            self.notify("No KV-cache figures from the server yet: f waits for them", timeout=4)
-            return
-        if self._load is not None and self._load.running:
-            self.notify("A load is already on the server (it stops by itself)", timeout=4)
-            return
-        started = self.live.started
-        plan = fill_plan(url, latest.kv_capacity_tokens, started and started.max_positions)
-        self.close_load()
-        if self._load_timer is not None:
-            self._load_timer.stop()
-        self._load = LoadProcess(plan)
-        self._load.start()
-        self.notify(
-            f"kvtui load: {plan.requests} requests of {plan.prompt_tokens:,} + "
-            f"{plan.max_tokens:,} tokens, {plan.concurrency} at a time (at most "
-            f"{plan.seconds:.0f} s)",
-            title="Filling vLLM's KV cache",
-            timeout=5,
-        )
-        self._load_timer = self.set_interval(0.5, self._check_load)
-
-    def _check_load(self) -> None:
-        load = self._load
-        if load is not None and load.running:
-            return
-        if self._load_timer is not None:
-            self._load_timer.stop()
-            self._load_timer = None
-        if load is None:
-            return
-        self.notify(safe_text(load.outcome()), title="The load ended", markup=False, timeout=8)
-        self.close_load()
-
-    def close_load(self) -> None:
-        """End the load `f` started, if it still runs."""
-        load, self._load = self._load, None
-        if load is not None:
-            load.close()
-
-    def _ready_next(self) -> None:
-        """Between runs (this one ended), let the factory get the next run's engine ready."""
-        if isinstance(self._engine_factory, Readies):
-            self._engine_factory.prepare(self.live.settings)
-
     def close_engine(self, timeout: float = 1.0) -> None:
-        """End the engine's process now (quitting): cancel the reader, then close the child (and
-        a spare the factory holds)."""
-        self.close_load()
-        engine, self.engine = self.engine, None
+        """End the engines' processes now (quitting): cancel the run's reader, then close every
+        engine still open (screen 4's race's too) and the spare."""
+        self.engine = None
         self._stop_reading.set()
         self._start_waiting = False
         self.workers.cancel_group(self, "decode")
-        if isinstance(self._engine_factory, Readies):
-            self._engine_factory.close()
-        if engine is not None:
-            engine.close(timeout=timeout)
+        self.engines.close(timeout=timeout)
 
     async def action_quit(self) -> None:
         self.close_engine()
@@ -635,55 +391,22 @@ class KVApp(App[int]):
     # that it always closes its engine and says so (a worker cancelled before it ran would not).
     @work(thread=True, group="decode", exit_on_error=False)
     def _read_engine(self, engine: EngineHandle, run_id: int, stop: threading.Event) -> None:
-        """Start the engine, then relay its events in batches until it ends or `stop` is set
-        (or we are cancelled); then close it and post `EngineClosed`.
-
-        A helper thread blocks on the engine's pipe and feeds a queue, so this loop wakes every
-        POST_INTERVAL_S to check for cancellation and to post what has arrived. It never touches
-        a widget or a reactive: it only posts messages.
-        """
+        """Read the run's engine with the one reader (it starts it, hands on its events in
+        batches until it ends or `stop` is set or we are cancelled, then closes it), posting each
+        batch; then say it is closed, and whether its stream had ended (`EngineClosed`)."""
         worker = get_current_worker()
-        inbox: queue.Queue[object] = queue.Queue()
 
-        def pump() -> None:
-            try:
-                for event in engine.events():
-                    inbox.put(event)
-            except Exception as exc:  # the pipe broke: say so as the run's failure
-                inbox.put(RunFailed(f"engine stream broke: {exc}"))
-            finally:
-                inbox.put(_END)
+        def report(events: list[Event]) -> None:
+            self.post_message(self.EngineReported(run_id, events))
 
+        ended = False
         try:
-            engine.start()
-            threading.Thread(target=pump, name="kvtui-engine-pipe", daemon=True).start()
-            pending: list[Event] = []
-            last_post = 0.0
-            ended = False
-            while not ended and not stop.is_set() and not worker.is_cancelled:
-                try:
-                    item = inbox.get(timeout=POST_INTERVAL_S)
-                    while True:
-                        if item is _END:
-                            ended = True
-                            break
-                        pending.append(item)  # type: ignore[arg-type]
-                        item = inbox.get_nowait()
-                except queue.Empty:
-                    pass
-                now = time.monotonic()
-                if pending and (ended or now - last_post >= POST_INTERVAL_S):
-                    self.post_message(self.EngineReported(run_id, pending))
-                    pending, last_post = [], now
-            if ended:
-                self.post_message(self.EngineExited(run_id))
+            ended = self.engines.read(engine, report, lambda: stop.is_set() or worker.is_cancelled)
         finally:
-            try:
-                engine.close(timeout=1.0)
-            finally:
-                self.post_message(self.EngineClosed(run_id))
+            self.post_message(self.EngineClosed(run_id, ended))
 
-    def on_kvapp_engine_reported(self, message: EngineReported) -> None:
+    @on(EngineReported)
+    def _engine_reported(self, message: EngineReported) -> None:
         if message.run_id != self._run_id:
             return
         self._run_changed()
@@ -691,71 +414,40 @@ class KVApp(App[int]):
             told = self.live.failure
             self.live.apply(event)
             if isinstance(event, RunStarted):
-                self.refresh_bindings()  # f (fill) with a served run's server
                 self.longest_run = longest_run(event)
-                if self.live.settings.kv_budget_bytes is None:
-                    self._default_pool = event.kv_capacity_bytes
             # A loop that stopped by design (its KV pool full) is said by the header and screen
             # 3's pool, not by a notification over the panel that shows it.
             error = isinstance(event, RunFinished) and event.reason == "error"
             if error and event.message and event.message != told:
                 fix = f" r runs {self.length:,} tokens (at most {self.longest_run:,} fit)."
-                self.notify(
-                    f"The {event.loop} loop stopped: {safe_text(event.message)}." + fix,
-                    title="Engine stopped",
-                    markup=False,
-                    severity="error",
-                    timeout=8,
-                )
+                said = f"The {event.loop} loop stopped: {safe_text(event.message)}."
+                self._say_stopped(said + fix)
             if isinstance(event, RunFailed):
-                self.notify(
-                    f"The engine stopped: {safe_text(event.message)}. Press r to restart.",
-                    title="Engine failed",
-                    markup=False,
-                    severity="error",
-                    timeout=8,
-                )
-        if self.live.state in ("done", "failed"):
-            self._ready_next()
-
-    def on_kvapp_engine_exited(self, message: EngineExited) -> None:
-        if message.run_id != self._run_id:
-            return
-        if self.live.state in ("running", "paused", "starting"):
-            self.live.apply(RunFailed("the engine exited before finishing"))
-            self._run_changed()
-            self.notify(
-                "The engine exited before finishing. Press r to restart.",
-                title="Engine stopped",
-                severity="error",
-                timeout=8,
-            )
+                said = f"The engine stopped: {safe_text(event.message)}. Press r to restart."
+                self._say_stopped(said, "Engine failed")
+        if self.live.state in ("done", "failed"):  # between runs: get the next one's ready
+            self.engines.prepare(self.live.settings)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
-        if event.state != WorkerState.ERROR or event.worker.group != "decode":
-            if event.state == WorkerState.ERROR and event.worker.group == "probe":
-                self.live.set_probe({"description": "device unknown (the probe failed)"})
-                self._run_changed()
+        if event.state != WorkerState.ERROR:
+            return
+        if event.worker.group == "probe":
+            self.live.set_probe({"description": "device unknown (the probe failed)"})
+            self._run_changed()
+        if event.worker.group != "decode":
             return
         error = event.worker.error
         words = f"{type(error).__name__}: {error}" if error else "unknown error"
         self.live.apply(RunFailed(words))
         self._run_changed()
-        self.notify(
-            f"The engine could not run: {safe_text(words)}. Press r to retry.",
-            title="Engine failed",
-            markup=False,
-            severity="error",
-            timeout=8,
+        self._say_stopped(
+            f"The engine could not run: {safe_text(words)}. Press r to retry.", "Engine failed"
         )
 
-
-def longest_run(started: RunStarted) -> int:
-    """The most tokens a run of this model may generate: MAX_LENGTH, or fewer where its
-    positions (prompt + answer) run out first."""
-    if started.max_positions is None:
-        return MAX_LENGTH
-    return max(MIN_LENGTH, min(MAX_LENGTH, started.max_positions - started.prompt_tokens))
+    def _say_stopped(self, words: str, title: str = "Engine stopped") -> None:
+        """Notify that the run's engine stopped or failed, in words that may hold an engine's
+        own (as text, never markup)."""
+        self.notify(words, title=title, markup=False, severity="error", timeout=8)
 
 
 def make_app(
@@ -767,7 +459,7 @@ def make_app(
     autostart: bool = True,
     present: bool = False,
     theme: str = "dark",
-    table_factory: TableFactory = table_process,
+    table_factory: TableFactory = TableProcess,
 ) -> KVApp:
     """The one factory that builds the app, for the CLI and for the tests."""
     config = AppConfig(
@@ -782,47 +474,18 @@ def make_app(
     return KVApp(config, engine_factory)
 
 
-SIGNAL_GRACE_S = 2.0
-"""After SIGINT, SIGTERM or SIGHUP, how long the app may take to end as `q` does before it is
-ended."""
-
-
 def run_app(
     settings: RunSettings, screen: int = 1, *, present: bool = False, theme: str = "dark"
 ) -> int:
-    """Open the app on a screen, run it, and return its exit code. SIGINT, SIGTERM and SIGHUP
-    end it as `q` does (the terminal is restored and the engine's process closed), with the exit
-    code a shell expects of that signal (130, 143, 129): left to asyncio, a SIGINT ended the
-    app with 0, as if it had succeeded."""
+    """Open the app on a screen, run it, and return its exit code; SIGINT, SIGTERM and SIGHUP
+    end it as `q` does, with the code a shell expects (kvtui.terminal.ended_by_signals)."""
     try:
         app = make_app(settings, screen, present=present, theme=theme)
     except DriverError as exc:
         raise UsageError(f"kvtui: {exc}") from None
-
-    def leave(signum: int, frame: object) -> None:
-        code = 128 + signum
-        fallback = threading.Timer(SIGNAL_GRACE_S, hard_exit, args=(code,))
-        fallback.daemon = True
-        fallback.start()
+    with ended_by_signals(app.exit, lambda: app.engines.close(timeout=0.5)):
         try:
-            loop = asyncio.get_running_loop()  # the handler runs on the app's own thread
-        except RuntimeError:
-            raise SystemExit(code) from None
-        loop.call_soon_threadsafe(app.exit, code)
-
-    def hard_exit(code: int) -> None:
-        """The app did not end within the grace after a signal (its terminal is gone, say, and
-        the UI is stuck writing to it): end the engine's process, then this one."""
-        if app.engine is not None:
-            app.engine.close(timeout=0.5)
-        os._exit(code)
-
-    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, leave) for sig in signals}
-    try:
-        result = app.run()
-    finally:
-        app.close_engine()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            result = app.run()
+        finally:
+            app.close_engine()
     return int(result or 0)

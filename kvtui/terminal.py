@@ -8,16 +8,22 @@ Textual itself does not survive, each guarded here, at kvtui's edge, until Textu
   `OptionList._move_page`, and a selection that reaches it twice dismisses it twice (popping
   another screen, or raising ScreenStackError): `CommandPalette` lets such keys do nothing.
 - `TEXTUAL_DRIVER` naming no driver raised from deep in Textual: `driver_class` says so in a line.
+- SIGINT, SIGTERM and SIGHUP, left to asyncio, ended the app with 0, as if it had succeeded:
+  `ended_by_signals` ends it as `q` does, with the status a shell expects of that signal.
 
 The reports for Textual, with minimal reproductions, are in docs/upstream/.
 """
 
 from __future__ import annotations
 
+import asyncio
 import codecs
 import contextlib
 import functools
-from collections.abc import Callable
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from textual import command, constants
@@ -117,3 +123,42 @@ class CommandPalette(command.CommandPalette):
         if not self.is_active:  # dismissed already: not on top of the stack any more
             return AwaitComplete.nothing()
         return super().dismiss(result)
+
+
+SIGNAL_GRACE_S = 2.0
+"""After SIGINT, SIGTERM or SIGHUP, how long the app may take to end as `q` does before it is
+ended."""
+
+
+@contextlib.contextmanager
+def ended_by_signals(
+    exit_app: Callable[[int], object], close_now: Callable[[], object]
+) -> Iterator[None]:
+    """While in the block (the app running), SIGINT, SIGTERM and SIGHUP end the app as `q` does:
+    `exit_app(code)` on the app's own loop, with the exit code a shell expects of that signal (130,
+    143, 129). Should it not have ended SIGNAL_GRACE_S later (its terminal is gone, say, and the
+    UI is stuck writing to it), `close_now()` (the engine's processes), then this process ends
+    with that code. The handlers before are put back on leaving."""
+
+    def leave(signum: int, frame: object) -> None:
+        code = 128 + signum
+        fallback = threading.Timer(SIGNAL_GRACE_S, hard_exit, args=(code,))
+        fallback.daemon = True
+        fallback.start()
+        try:
+            loop = asyncio.get_running_loop()  # the handler runs on the app's own thread
+        except RuntimeError:
+            raise SystemExit(code) from None
+        loop.call_soon_threadsafe(exit_app, code)
+
+    def hard_exit(code: int) -> None:
+        close_now()
+        os._exit(code)
+
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, leave) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

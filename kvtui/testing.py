@@ -3,10 +3,11 @@
 The design card names three users of kvtui; the third is a developer driving its screens in a
 headless test. This module is their kit, and kvtui's own screen tests use it:
 
-- `ScriptedEngine`: the app's `EngineHandle` contract (start, events, pause, resume, stop, close,
-  alive) in this process, no child process. Its events come from a list (synthetic steps), from a
-  record `kvtui bench --record FILE` wrote (`ScriptedEngine.from_record`), or from a `sim:` or
-  `replay:` engine run here as fast as it can (`ScriptedEngine.from_settings`).
+- `ScriptedEngine`: the app's `EngineHandle` contract (kvtui.run.reader: start, events, pause,
+  resume, stop, close, alive) in this process, no child process. Its events come from a list
+  (synthetic steps), from a record `kvtui bench --record FILE` wrote
+  (`ScriptedEngine.from_record`), or from a `sim:` or `replay:` engine run here as fast as it can
+  (`ScriptedEngine.from_settings`).
 - `headless(...)`: the app from `kvtui.app.make_app`, started with `App.run_test` at a terminal
   size, as a `HeadlessRun`: its `app` and `pilot`, the screen as plain text (`text()`), a stat
   card's figure by widget id (`figure("total")`), the run's state as the header shows it,
@@ -47,11 +48,12 @@ from textual.message import Message
 from textual.notifications import Notify
 from textual.pilot import Pilot
 
-from kvtui.app import EngineFactory, EngineHandle, KVApp, make_app
+from kvtui.app import KVApp, make_app
 from kvtui.engines.factory import open_engine, parse_engine, recorded_start
 from kvtui.engines.protocol import Event, RunFailed, RunSettings, StepSource
 from kvtui.engines.schedule import run_events
 from kvtui.reports.table import InProcessTable
+from kvtui.run.reader import EngineFactory, EngineHandle
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.tricks import TableFactory
 from kvtui.widgets.cards import StatCard
@@ -110,8 +112,8 @@ def refuse_torch(settings: RunSettings) -> None:
 
 
 class ScriptedEngine:
-    """An engine handle (the contract of `kvtui.app.EngineHandle`) that hands the app a scripted
-    run's events, in this process.
+    """An engine handle (the contract of `kvtui.run.reader.EngineHandle`) that hands the app a
+    scripted run's events, in this process.
 
     `ScriptedEngine(events, settings=...)` plays a list (or any iterable) of events as they are;
     `from_record` plays a record written by `kvtui bench --record`; `from_settings` runs a `sim:`

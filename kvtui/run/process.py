@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
@@ -40,6 +40,7 @@ from kvtui.engines.protocol import (
 )
 from kvtui.engines.vllm.load import LoadPlan
 from kvtui.format import safe_text
+from kvtui.run.reader import EngineFactory, EngineHandle, read_engine
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 """The kvtui package this module belongs to: the child imports this one, whatever is installed."""
@@ -169,35 +170,74 @@ def runs_torch(settings: RunSettings) -> bool:
 
 
 class Engines:
-    """The app's engine factory: an `EngineProcess` per run, adopting the spare child `prepare`
-    started ahead, so that a torch engine after `l` or `r` skips importing torch (seconds of
-    dead air). A spare is started only between runs, never beside a run's timed steps."""
+    """The one owner of the app's engine processes, its run's and screen 4's race's alike: it
+    makes each (an `EngineProcess`, or what `make` makes: a test's engines), keeps it until its
+    reader has closed it (`read`), and `close` ends every one still open (quitting).
 
-    def __init__(self) -> None:
+    Between runs, `prepare` starts a spare child for the next torch run to adopt, so that a torch
+    engine after `l` or `r` skips importing torch (seconds of dead air). A spare is started only
+    between runs, never beside a run's timed steps."""
+
+    def __init__(self, make: EngineFactory | None = None) -> None:
+        self._make = make
+        """What makes each engine; None: an `EngineProcess`, adopting the spare."""
         self._spare: WarmChild | None = None
+        self._open: list[EngineHandle] = []
+        """Engines made and not yet closed by their reader."""
+        self._lock = threading.Lock()
 
     @property
     def spare(self) -> WarmChild | None:
         """The child started ahead for the next run, if there is one."""
         return self._spare
 
-    def __call__(self, settings: RunSettings) -> EngineProcess:
-        spare, self._spare = self._spare, None
-        if spare is not None and not (spare.alive and runs_torch(settings)):
-            spare.close()
-            spare = None
-        return EngineProcess(settings, spare=spare)
+    def __call__(self, settings: RunSettings) -> EngineHandle:
+        """The engine of a run of `settings`, made, not started (its reader starts it)."""
+        if self._make is not None:
+            engine = self._make(settings)
+        else:
+            spare, self._spare = self._spare, None
+            if spare is not None and not (spare.alive and runs_torch(settings)):
+                spare.close()
+                spare = None
+            engine = EngineProcess(settings, spare=spare)
+        with self._lock:
+            self._open.append(engine)
+        return engine
+
+    def read(
+        self,
+        engine: EngineHandle,
+        report: Callable[[list[Event]], None],
+        stopped: Callable[[], bool],
+        *,
+        name: str = "kvtui-engine-pipe",
+    ) -> bool:
+        """Read an engine this made with the one reader (`kvtui.run.reader.read_engine`: start
+        it, hand on its events in batches until it ends or `stopped()`, close it), then forget
+        it. True if its stream ended, False if stopped."""
+        try:
+            return read_engine(engine, report, stopped, name=name)
+        finally:
+            with self._lock:
+                if engine in self._open:
+                    self._open.remove(engine)
 
     def prepare(self, settings: RunSettings) -> None:
-        """Start a spare for the next run, if `settings` name a torch engine and none is ready."""
-        if self._spare is None and runs_torch(settings):
+        """Start a spare for the next run, if `settings` name a torch engine and none is ready
+        (engines of their own `make` take none)."""
+        if self._make is None and self._spare is None and runs_torch(settings):
             self._spare = WarmChild()
 
-    def close(self) -> None:
-        """End the spare, if any (quitting)."""
+    def close(self, timeout: float = 1.0) -> None:
+        """End every engine still open, and the spare (quitting)."""
         spare, self._spare = self._spare, None
         if spare is not None:
             spare.close()
+        with self._lock:
+            engines, self._open = self._open, []
+        for engine in engines:
+            engine.close(timeout=timeout)
 
 
 class EngineProcess:

@@ -14,7 +14,7 @@ from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import Static
 
-from kvtui.engines.protocol import RunSettings
+from kvtui.engines.protocol import RunSettings, RunStarted
 from kvtui.format import format_count
 from kvtui.run.live import LiveRun
 from kvtui.widgets.chart import Chart
@@ -185,6 +185,14 @@ def length_step(length: int) -> int:
     if length < 512:
         return 16
     return 128
+
+
+def longest_run(started: RunStarted) -> int:
+    """The most tokens a run of this model may generate: MAX_LENGTH, or fewer where its
+    positions (prompt + answer) run out first."""
+    if started.max_positions is None:
+        return MAX_LENGTH
+    return max(MIN_LENGTH, min(MAX_LENGTH, started.max_positions - started.prompt_tokens))
 
 
 class WorkScreen(LessonScreen):

@@ -1,37 +1,32 @@
-"""Screen 3: the cache grows and eats memory."""
+"""Screen 3: the cache grows and eats memory.
+
+Above, the running engine's memory, measured: its KV pool filling (and a vllm: run's server's
+cache); below, a what-if budget of any model on any GPU. Its keys choose the next run's batch
+(`n`) and KV budget (`[`, `]`, `\\`), which the App owns and `r` runs (the screen sets them
+through the `NextRun` it is given), and put a load on a served run's server (`f`, a `kvtui load`
+process this screen starts and ends).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import replace
-from functools import partial
+from typing import TYPE_CHECKING, Protocol
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
-from textual.content import Content
 from textual.events import Resize
 from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
+from kvtui.commands import BudgetCommands
 from kvtui.engines.capabilities import OWN_ENGINES
 from kvtui.engines.factory import parse_engine
 from kvtui.errors import EngineError
-from kvtui.format import (
-    format_bandwidth,
-    format_bytes,
-    format_count,
-    format_int,
-    format_percent,
-    format_rate,
-    format_tick,
-    safe_text,
-)
-from kvtui.run.live import LivePool, LiveRun
+from kvtui.format import format_bytes, format_int, format_percent, format_tick, safe_text
+from kvtui.run.live import LiveRun
 from kvtui.screens.base import LessonScreen
 from kvtui.sim.budget import LESSON_BUDGET, Budget, budget, vram_split
 from kvtui.sim.catalog import (
@@ -50,14 +45,23 @@ from kvtui.sim.catalog import (
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes
 from kvtui.sim.parallel import shard
-from kvtui.sim.tricks import tokens_before_full
+from kvtui.sim.pool import step_budget
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
+from kvtui.widgets.live_pool import NO_POOL_WORDS, live_pool_bar, live_words, pool_words
 from kvtui.widgets.plain import plain
 from kvtui.widgets.served import ServedCache
-from kvtui.widgets.vram import Bar, Part, VramBar, whatif_bar
+from kvtui.widgets.vram import VramBar, whatif_bar
+
+if TYPE_CHECKING:
+    from textual.timer import Timer
+
+    from kvtui.run.process import LoadProcess
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+"""The what-if's batches (b)."""
+LIVE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+"""The batches the next run's n steps through (`--batch` takes any up to 256)."""
 MIN_CONTEXT, MAX_CONTEXT = 1, 16_777_216
 
 
@@ -90,26 +94,12 @@ MEMORY_CAPTION = (
 MEMORY_CAPTION_NARROW = "{memory} memory in use  {capacity} capacity\n{marker} the context chosen"
 
 
-class BudgetCommands(Provider):
-    """Command palette entries on screen 3: the what-if's model and GPU."""
+class NextRun(Protocol):
+    """The next run's batch and KV budget, which `r` runs: the App's (kvtui.app.KVApp), set by
+    this screen's keys; the screen follows them back (`batch_next`, `kv_budget`)."""
 
-    def _commands(self) -> list[tuple[str, Callable[[], None]]]:
-        screen = self.screen
-        assert isinstance(screen, MemoryScreen)
-        return [
-            *((f"Model: {n}", partial(screen.choose, model=n)) for n in model_names()),
-            *((f"GPU: {n}", partial(screen.choose, gpu=n)) for n in gpu_names()),
-        ]
-
-    async def discover(self) -> Hits:
-        for text, command in self._commands():
-            yield DiscoveryHit(text, command, help="screen 3's what-if")
-
-    async def search(self, query: str) -> Hits:
-        matcher = self.matcher(query)
-        for text, command in self._commands():
-            if (score := matcher.match(text)) > 0:
-                yield Hit(score, matcher.highlight(text), command, help="screen 3's what-if")
+    batch: int
+    kv_budget: int | None
 
 
 class MemoryScreen(LessonScreen):
@@ -120,11 +110,11 @@ class MemoryScreen(LessonScreen):
 
     BINDINGS = [
         Binding("right", "context(1)", "Context", key_display="←→ -+"),
-        Binding("left_square_bracket", "app.budget(-1)", "Budget", key_display="[ ]"),
-        Binding("right_square_bracket", "app.budget(1)", "Budget +", show=False),
-        Binding("backslash", "app.budget(0)", "Default budget", show=False),
-        Binding("n", "app.batch", "Batch", show=False),
-        Binding("f", "app.fill", "Fill"),
+        Binding("left_square_bracket", "budget(-1)", "Budget", key_display="[ ]"),
+        Binding("right_square_bracket", "budget(1)", "Budget +", show=False),
+        Binding("backslash", "budget(0)", "Default budget", show=False),
+        Binding("n", "batch", "Batch", show=False),
+        Binding("f", "fill", "Fill"),
         Binding("left", "context(-1)", "Context -", show=False),
         Binding("plus,equals_sign", "context_scale(2)", "Context x2", show=False),
         Binding("minus", "context_scale(0.5)", "Context /2", show=False),
@@ -150,8 +140,18 @@ class MemoryScreen(LessonScreen):
     batch_next: reactive[int] = reactive(1, init=False)
     """The batch the next run decodes (the App's `batch`, followed; `batch` is the what-if's)."""
 
-    def __init__(self, run: LiveRun, *, name: str | None = None) -> None:
+    def __init__(self, run: LiveRun, *, next_run: NextRun, name: str | None = None) -> None:
         super().__init__(run, name=name)
+        self._next_run = next_run
+        self._default_pool: int | None = None
+        """The pool an engine took without a budget, once one has run: the budget keys' top."""
+        self._pool_engine = ""
+        """The engine `_default_pool` is of."""
+        self._served = False
+        """Whether the run has a server to fill (f shows then)."""
+        self._load: LoadProcess | None = None
+        """The load `f` put on a vllm: run's server, while it runs (kvtui.engines.vllm.load)."""
+        self._load_timer: Timer | None = None
         self._gpu_chosen = self._model_chosen = False
         self._followed = ""
         """The engine the what-if last followed."""
@@ -260,6 +260,109 @@ class MemoryScreen(LessonScreen):
             tp=self.tp,
         )
 
+    # --- the next run (n, the budget keys) and a load on its server (f) -----------------------
+
+    def action_batch(self) -> None:
+        """n: the next run's batch, doubling from 1 to 64 and round again; r runs it."""
+        if not self.run.can.own_cache:
+            self.notify(f"A batch runs on {OWN_ENGINES}", timeout=4)
+            return
+        batch = self.batch_next
+        self._next_run.batch = 1 if batch >= LIVE_BATCHES[-1] else batch * 2
+
+    def action_budget(self, direction: int) -> None:
+        """The budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
+        engine's default (0); `r` runs it. Budgets are powers of two of bytes (see
+        `kvtui.sim.pool.step_budget`)."""
+        live = self.run.pool()
+        if live is None:
+            self.notify(
+                "The running engine has no KV pool to budget (hf: keeps transformers' own cache)"
+                if self.run.started
+                else "The engine has not started yet",
+                timeout=4,
+            )
+            return
+        if direction == 0:
+            self._next_run.kv_budget = None
+            self.notify("Next run: the engine's default KV pool (press r)", timeout=3)
+            return
+        pool = live.pool
+        current = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
+        positions = live.prompt_tokens + self.length - 1
+        need = pool.blocks_for(positions, self.batch_next) * pool.block_bytes
+        budget = step_budget(current, need, direction, smallest=pool.block_bytes)
+        if self._default_pool is not None:
+            budget = min(budget, self._default_pool)
+        self._next_run.kv_budget = budget
+
+    def _follow_next_run(self, run: LiveRun) -> None:
+        """What the budget keys and f follow of the run: the pool an engine took without a
+        budget (the keys' top; forgotten with another engine), and whether it has a server."""
+        if run.settings.engine != self._pool_engine:
+            self._pool_engine, self._default_pool = run.settings.engine, None
+        if run.started is not None and run.settings.kv_budget_bytes is None:
+            self._default_pool = run.started.kv_capacity_bytes
+        if self._served != (run.server is not None):
+            self._served = run.server is not None
+            self.refresh_bindings()  # f (fill) with a served run's server
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """`f` (fill) only with a vllm: run's server to fill."""
+        return self.run.server is not None if action == "fill" else True
+
+    def action_fill(self) -> None:
+        """With vllm:, put a load on the server that asks for twice its KV cache
+        (kvtui.engines.vllm.load.fill_plan), in a `kvtui load` process of its own; once at a
+        time."""
+        from kvtui.engines.vllm.load import fill_plan
+        from kvtui.run.process import LoadProcess
+
+        server, url = self.run.server, parse_engine(self.run.settings.engine).url
+        latest = server.latest if server is not None else None
+        if url is None or latest is None or not latest.kv_capacity_tokens:
+            self.notify("No KV-cache figures from the server yet: f waits for them", timeout=4)
+            return
+        if self._load is not None and self._load.running:
+            self.notify("A load is already on the server (it stops by itself)", timeout=4)
+            return
+        started = self.run.started
+        plan = fill_plan(url, latest.kv_capacity_tokens, started and started.max_positions)
+        self.close_load()
+        if self._load_timer is not None:
+            self._load_timer.stop()
+        self._load = LoadProcess(plan)
+        self._load.start()
+        self.notify(
+            f"kvtui load: {plan.requests} requests of {plan.prompt_tokens:,} + "
+            f"{plan.max_tokens:,} tokens, {plan.concurrency} at a time (at most "
+            f"{plan.seconds:.0f} s)",
+            title="Filling vLLM's KV cache",
+            timeout=5,
+        )
+        self._load_timer = self.set_interval(0.5, self._check_load)
+
+    def _check_load(self) -> None:
+        load = self._load
+        if load is not None and load.running:
+            return
+        if self._load_timer is not None:
+            self._load_timer.stop()
+            self._load_timer = None
+        if load is None:
+            return
+        self.notify(safe_text(load.outcome()), title="The load ended", markup=False, timeout=8)
+        self.close_load()
+
+    def close_load(self) -> None:
+        """End the load `f` started, if it still runs."""
+        load, self._load = self._load, None
+        if load is not None:
+            load.close()
+
+    def on_unmount(self) -> None:
+        self.close_load()
+
     # --- drawing -----------------------------------------------------------------------------
 
     def on_mount(self) -> None:
@@ -364,6 +467,7 @@ class MemoryScreen(LessonScreen):
         """Start the what-if from the running model (and a `sim:` engine's GPU), unless the
         presenter chose them by hand; once per run's engine; its KV dtype from the run's
         --kv-cache-dtype, unless k chose one. A watcher of the run, not part of drawing."""
+        self._follow_next_run(run)
         self._follow_engine(run)
         followed = (run.settings.engine, run.settings.kv_cache_dtype)
         if followed != self._followed_kv and not self._kv_chosen:
@@ -430,187 +534,33 @@ class MemoryScreen(LessonScreen):
         if server is not None:
             self.query_one("#served", ServedCache).show(server, started, self.run.settings.engine)
         self._show_live_pool()
-        self.query_one("#live-line", Static).update(self._live_words())
+        self.query_one("#live-line", Static).update(live_words(self.run))
         self.query_one("#memory-chart", Chart).draw(self._draw_memory)
 
     # --- the live pool -----------------------------------------------------------------------
 
     def _show_live_pool(self) -> None:
-        """The running engine's memory, measured: weights, KV filled, the last block's unused
-        tail, the free pool (and, on a GPU, the rest of the device), red once the pool ran out."""
-        bar = self.query_one("#live-bar", VramBar)
+        """The running engine's memory, measured (kvtui.widgets.live_pool), and what its pool
+        holds against what the run did."""
+        self.query_one("#live-bar", VramBar).show(*live_pool_bar(self.run))
         status = self.query_one("#live-status", Static)
-        started, live = self.run.started, self.run.pool()
-        if started is None:
-            bar.show(Bar((), 1), "LIVE: the running engine's memory, once it starts")
+        live = self.run.pool()
+        if self.run.started is None:
             status.update("")
-            return
-        device = safe_text(started.device, one_line=True)
-        where = device.split(" (")[0] + (", per GPU" if device.endswith(", per GPU") else "")
-        model = safe_text(started.model, one_line=True)
-        title = (
-            f"REPLAY ({safe_text(self.run.recorded, one_line=True)}): {model}"
-            if self.run.replayed
-            else f"LIVE ({self.run.how}): {model} on {where}"
-        )
-        if live is None:
-            bar.show(Bar((), 1), f"{title}: no KV pool")
-            status.update(
-                "This run reports no KV pool: an hf: model keeps transformers' own cache (sized "
-                "for the run), and a replay shows what was recorded. The budget keys apply to "
-                f"{OWN_ENGINES}."
-            )
-            return
-        pool = live.pool
-        rows = f" x {live.batch}" if live.batch > 1 else ""
-        kv = [
-            Part(
-                "KV filled",
-                live.filled_bytes,
-                "kv",
-                f"({format_int(live.filled_tokens)} tok{rows})",
-                short="KV",
-            ),
-            Part("block tail", live.tail_bytes, "tail", short="tail"),
-            Part("free pool", live.free_bytes, "free", short="free"),
-        ]
-        total = started.device_memory_total_bytes
-        if total:  # a GPU, real or modelled: the pool shares it with the weights
-            rest = max(0, total - started.weights_bytes - pool.capacity_bytes)
-            parts = (
-                Part("weights", started.weights_bytes, "weights"),
-                *kv,
-                Part("not for KV", rest, "reserve", short="other"),
-            )
-            shown = Bar(parts, total, full=bool(live.full))
-            capacity = [f"{format_bytes(total)} of device memory", format_bytes(total)]
-            nvml = (self.run.probe or {}).get("total_bytes")
-            if started.device.startswith("cuda") and isinstance(nvml, int) and nvml > 0:
-                capacity.insert(0, f"{capacity[0]} (torch; NVML {format_bytes(nvml)})")
-        else:  # a CPU: the pool is the budget; the weights sit beside it
-            note = f"· weights {format_bytes(started.weights_bytes)} beside it"
-            shown = Bar(tuple(kv), pool.capacity_bytes, full=bool(live.full), note=note)
-            capacity = ["its KV pool"]
-        size = f"KV pool {format_bytes(pool.capacity_bytes)}"
-        blocks = f"blocks of {pool.block_tokens}"
-        bar.show(
-            shown,
-            [*(f"{title} · {c}" for c in capacity), title],
-            [f"{size} ({live.source}) · {blocks}", f"{size} · {blocks}", size],
-        )
-        status.update(self._pool_words(live))
-        status.set_class(bool(live.full), "-bad")
-
-    def _pool_words(self, live: LivePool) -> Text:
-        """What the pool holds, predicted, against what the run did, measured; and the budget
-        the next run will have."""
-        pool, P = live.pool, live.prompt_tokens
-        predicted = live.stops_at
-        words = Text()
-        if live.full:
-            # At 80x24 two lines, so that the side's live lines keep theirs: the pool's size
-            # and blocks are on the bar's border.
-            why = (
-                f"the {format_bytes(pool.capacity_bytes)} pool is full"
-                if self.has_class("-short")
-                else safe_text(live.full, one_line=True)
-            )
-            words.append(f"Stopped: {why}. ", style="bold")
-            words.append(
-                f"Measured: {format_int(live.steps)} tokens, predicted "
-                f"{format_int(live.tokens_before_full or 0)}; ] and r: a larger pool. "
-            )
+        elif live is None:
+            status.update(NO_POOL_WORDS)
         else:
-            words.append(
-                f"{format_int(live.blocks)} of {format_int(pool.blocks)} blocks taken "
-                f"({format_bytes(live.allocated_bytes)}). Holds "
-                f"{format_int(pool.tokens_per_sequence(live.batch))} tokens"
-                + (f" per sequence of {live.batch}: " if live.batch > 1 else ": ")
+            status.update(
+                pool_words(
+                    live,
+                    replayed=self.run.replayed,
+                    kv_budget=self.kv_budget,
+                    batch=self.batch_next,
+                    length=self.length,
+                    short=self.has_class("-short"),
+                )
             )
-            words.append(
-                f"this run stops after {format_int(predicted)} of its "
-                f"{format_int(live.run_tokens)} (predicted). "
-                if predicted is not None
-                else f"this run's {format_int(P + live.run_tokens)} fit. "
-            )
-        budget = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
-        B = self.batch_next
-        changed = budget != pool.capacity_bytes or live.batch != B or self.length != live.run_tokens
-        if changed and not self.run.replayed:  # a replay plays what was recorded, whatever r
-            nxt = replace(pool, capacity_bytes=budget)
-            room = tokens_before_full(nxt, live.layout, P, B)
-            after = (
-                f"it stops after {format_int(room)} tokens"
-                if room is not None and room < self.length
-                else f"{format_int(self.length)} tokens fit"
-            )
-            rows, each = (f", batch {B}", " each") if B > 1 else ("", "")
-            holds = format_int(nxt.tokens_per_sequence(B))
-            words.append(
-                f"Next run: {format_bytes(budget)}{rows} holds {holds}{each}, {after}: r.",
-                style="bold",
-            )
-        return words
-
-    def _live_words(self) -> Content:
-        """The running engine: its dtype and why; measured, KV held against the formula (and a
-        GPU's memory in use), prefill and decode rates, tokens/s at its batch; then the
-        formula's bytes and FLOPs over the step's time, against the peak and the ridge."""
-        started = self.run.started
-        if started is None:
-            return Content("The running engine's memory appears here once it starts.")
-        threads = format_count(started.threads, "thread") if started.threads > 0 else ""
-        how = {"modelled": "modelled: roofline", "replayed": "measured then"}.get(
-            self.run.how, self.run.how
-        )
-        head = "Replayed" if self.run.replayed else "Live"
-        lines: list[Content | str] = [
-            Content.from_markup(f"[b]{head}[/b] ({how}{', ' + threads if threads else ''}):")
-        ]
-        if started.dtype_source:  # a record's words: text, never markup
-            lines.append(plain(f"{started.dtype}: {started.dtype_source}"))
-        measured = self.run.kv_bytes_measured()
-        last = self.run.loop("cached").last
-        if measured:
-            held, formula = measured
-            mark = "= formula" if held == formula else f"formula {format_bytes(formula)}"
-            line = f"KV held {format_bytes(held)} {mark}"
-            if started.device.startswith("cuda") and last and last.device_memory_bytes:
-                line += f"; {format_bytes(last.device_memory_bytes)} in use"
-            lines.append(line)
-        trace, B = self.run.loop("cached"), self.run.batch
-        if trace.steps > 1 and trace.seconds_total > trace.seconds_cumulative[0] > 0:
-            # prefill reads the prompt in one pass; decode writes one position per step
-            first = trace.seconds_cumulative[0]
-            later = (trace.seconds_total - first) / (trace.steps - 1)
-            P = started.prompt_tokens
-            lines.append(
-                f"pos/s: prefill {format_rate(P * B / first)}, decode {format_rate(B / later)}"
-            )
-        if trace.steps > 1 and trace.seconds_total > 0:
-            rate = trace.steps / trace.seconds_total  # steps per second: each a token per row
-            lines.append(
-                f"batch {B} (n): {format_rate(rate)} tok/s each, {format_rate(rate * B)} in all"
-                if B > 1
-                else f"batch 1 (n): {format_rate(rate)} tok/s"
-            )
-        achieved = self.run.achieved_bandwidth()
-        intensity = last.flops / last.bytes_read if last and last.bytes_read else None
-        if achieved or intensity:  # the formula's bytes and FLOPs: not measurements of them
-            time = "modelled" if self.run.how == "modelled" else "measured"
-            lines.append(Content.from_markup(f"[b]Formula[/b] bytes, FLOPs / {time} time:"))
-        if achieved:
-            peak = started.peak_bandwidth_bytes_per_s
-            of = f", {format_percent(achieved / peak)} of peak" if peak else ", peak unknown"
-            lines.append(f"{format_bandwidth(achieved)} read{of}")
-        if intensity is not None and last is not None and last.step > 0:
-            ridge = started.ridge_flops_per_byte
-            if ridge:
-                bound = "memory-bound" if intensity < ridge else "compute-bound"
-                lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
-            else:
-                lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known)")
-        return Content("\n").join(lines)
+            status.set_class(bool(live.full), "-bad")
 
     def _draw_memory(self, plt: Plot, points: int) -> None:
         chart = self.query_one("#memory-chart", Chart)

@@ -5,22 +5,19 @@ running engine's model, each row landing as it is measured: what each trick keep
 how far the same pool goes with it (measured, against its own prediction), what it costs in
 quality and speed. Below, one trick races the plain cache as screen 2 races the two loops: two
 engines, each its own process, each its own pool of the same budget, their bars filling at their
-own rates, the plain one turning red and stopping first while the trick goes on. The race and the
-table are this screen's own state: it starts their processes through the factories it is given,
-and reads their events in workers that post them back.
+own rates, the plain one turning red and stopping first while the trick goes on. The race is
+another run, not another reader: its engines are made by the App's one owner of engine processes
+(kvtui.run.process.Engines, handed to this screen) and read, each in a worker of this screen's,
+by the one reader (kvtui.run.reader), whose batches the worker posts back. The table's process
+speaks another protocol (a line per row, a few a minute): a worker posts each line as it comes.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rich.console import RenderableType
-from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -28,33 +25,25 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.message import Message
-from textual.reactive import reactive, var
-from textual.widget import Widget
+from textual.reactive import var
 from textual.widgets import Static
 from textual.worker import get_current_worker
 
 from kvtui.engines.capabilities import OWN_ENGINES
 from kvtui.engines.factory import parse_engine
-from kvtui.engines.protocol import Event, RunFailed, RunSettings
-from kvtui.format import format_bytes, format_int, format_ratio, safe_text
+from kvtui.engines.protocol import Event, RunSettings
+from kvtui.format import format_bytes, format_int, safe_text
 from kvtui.reports.table import TABLE_ROWS, TABLE_SINKS, TABLE_TOKENS, TABLE_WINDOW, default_budget
 from kvtui.run.live import LiveRun
+from kvtui.run.reader import EngineHandle
 from kvtui.screens.base import LessonScreen
 from kvtui.sim.tricks import references
+from kvtui.widgets.pool_line import PoolLine
 from kvtui.widgets.stream import WAITING, TokenStream
+from kvtui.widgets.tricks_table import TableState, cost_words, reach_words, short_name, tricks_table
 
-RACE_UPDATES_PER_SECOND = 10
-"""How often each race engine's events are handed to the screen, at most."""
-
-
-class EngineHandle(Protocol):
-    """What the race needs of an engine (the App's `EngineHandle`)."""
-
-    def start(self) -> None: ...
-    def events(self) -> Iterator[Event]: ...
-    def pause(self) -> None: ...
-    def resume(self) -> None: ...
-    def close(self, timeout: float = 1.0) -> None: ...
+if TYPE_CHECKING:
+    from kvtui.run.process import Engines
 
 
 class TableHandle(Protocol):
@@ -65,7 +54,6 @@ class TableHandle(Protocol):
     def close(self, timeout: float = 1.0) -> None: ...
 
 
-EngineFactory = Callable[[RunSettings], EngineHandle]
 TableFactory = Callable[[RunSettings], TableHandle]
 
 
@@ -130,64 +118,8 @@ RACE: tuple[tuple[str, tuple[RaceVariant, ...]], ...] = (
 
 SIDES = ("plain", "trick")
 
-SHORT_LABELS = {
-    "plain": "plain cache",
-    "fp8": "fp8",
-    "int8": "int8 (+ scales)",
-    "window": f"window {TABLE_WINDOW - TABLE_SINKS}+{TABLE_SINKS} sinks",
-    "window-nosinks": f"window {TABLE_WINDOW} alone",
-    "prefix": "prefix cache x4",
-    "mqa": "MQA: 1 KV head",
-    "mha": "MHA (by formula)",
-}
-"""The table's rows as the screen names them (`kvtui tricks`' own labels are longer)."""
-
-
-@dataclass
-class TableState:
-    """The table as its process has reported it so far."""
-
-    engine: str = ""
-    header: dict[str, Any] | None = None
-    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
-    failed: str = ""
-    done: bool = False
-    started: bool = False
-
-
-# --- widgets -------------------------------------------------------------------------------------
-
-
-class PoolLine(Widget):
-    """One engine's KV pool on one line: the bytes taken as a bar, then how many and the tokens
-    held; red once the pool has run out."""
-
-    DEFAULT_CSS = """
-    PoolLine { height: 1; width: 1fr; }
-    PoolLine > .pool--taken { color: $warning-darken-3; }
-    PoolLine > .pool--free { color: $text-muted; }
-    PoolLine.-full > .pool--taken { color: $error; }
-    PoolLine.-full { color: $text-error; text-style: bold; }
-    """
-    COMPONENT_CLASSES = {"pool--taken", "pool--free"}
-
-    share: reactive[float] = reactive(0.0)
-    words: reactive[str] = reactive("")
-
-    def show(self, share: float, words: str, full: bool) -> None:
-        self.share, self.words = max(0.0, min(1.0, share)), words
-        self.set_class(full, "-full")
-
-    def render(self) -> RenderableType:
-        width = self.content_size.width
-        words = f" {self.words}"
-        cells = max(4, width - len(words))
-        taken = round(self.share * cells)
-        line = Text(no_wrap=True, overflow="ellipsis")
-        line.append("█" * taken, style=self.get_component_rich_style("pool--taken"))
-        line.append("░" * (cells - taken), style=self.get_component_rich_style("pool--free"))
-        line.append(words)
-        return line
+NO_RACE = "No race on this engine: pick tiny, shape: or sim: (ctrl+p), then r."
+"""A race pane's words where the run's engine has no race (a replay, hf:, vllm:)."""
 
 
 # --- the screen ----------------------------------------------------------------------------------
@@ -231,12 +163,14 @@ class TricksScreen(LessonScreen):
         self,
         run: LiveRun,
         *,
-        engine_factory: EngineFactory,
+        engines: Engines,
         table_factory: TableFactory,
         name: str | None = None,
     ) -> None:
+        """`engines` makes the race's engines and reads them (the App's, which owns every
+        engine process); `table_factory` makes the table's process."""
         super().__init__(run, name=name)
-        self._engine_factory, self._table_factory = engine_factory, table_factory
+        self._engines, self._table_factory = engines, table_factory
         self.table = TableState()
         self.race: dict[str, LiveRun] = {}
         """The race's two runs, folded (this screen owns them)."""
@@ -363,7 +297,7 @@ class TricksScreen(LessonScreen):
         settings = self._race_settings()
         self.race = {side: LiveRun(settings[side]) for side in SIDES}
         for side in SIDES:
-            handle = self._engine_factory(settings[side])
+            handle = self._engines(settings[side])
             self._handles[side] = handle
             self._read_race(handle, side, self._race_id)
         self.mark_dirty()
@@ -405,42 +339,15 @@ class TricksScreen(LessonScreen):
 
     @work(thread=True, group="race", exit_on_error=False)
     def _read_race(self, engine: EngineHandle, side: str, race_id: int) -> None:
-        """Start one race engine and relay its events in batches until it ends or the race is
-        started again (as the App's reader does for the main run)."""
+        """Read one race engine with the one reader, as the App reads its run's: it starts it,
+        hands on its events in batches until it ends or the race is started again (this worker
+        cancelled), then closes it; each batch is posted back."""
         worker = get_current_worker()
-        inbox: queue.Queue[Event | None] = queue.Queue()
 
-        def pump() -> None:
-            try:
-                for event in engine.events():
-                    inbox.put(event)
-            except Exception as exc:  # the pipe broke: the run's failure
-                inbox.put(RunFailed(f"engine stream broke: {exc}"))
-            finally:
-                inbox.put(None)
+        def report(events: list[Event]) -> None:
+            self.post_message(self.RaceReported(race_id, side, events))
 
-        try:
-            engine.start()
-            threading.Thread(target=pump, name=f"kvtui-race-{side}", daemon=True).start()
-            pending: list[Event] = []
-            last, ended = 0.0, False
-            while not ended and not worker.is_cancelled:
-                try:
-                    item = inbox.get(timeout=1 / RACE_UPDATES_PER_SECOND)
-                    while True:
-                        if item is None:
-                            ended = True
-                            break
-                        pending.append(item)
-                        item = inbox.get_nowait()
-                except queue.Empty:
-                    pass
-                now = time.monotonic()
-                if pending and (ended or now - last >= 1 / RACE_UPDATES_PER_SECOND):
-                    self.post_message(self.RaceReported(race_id, side, pending))
-                    pending, last = [], now
-        finally:
-            engine.close(timeout=1.0)
+        self._engines.read(engine, report, lambda: worker.is_cancelled, name=f"kvtui-race-{side}")
 
     @work(thread=True, group="table", exit_on_error=False)
     def _read_table(self, handle: TableHandle, table_id: int) -> None:
@@ -485,31 +392,13 @@ class TricksScreen(LessonScreen):
     # --- drawing -----------------------------------------------------------------------------
 
     def redraw(self) -> None:
-        self.query_one("#tricks-table", Static).update(self._table())
+        self.query_one("#tricks-table", Static).update(tricks_table(self.table))
         self.query_one("#tricks-caption", Static).update(self._caption())
         self.query_one("#race-title", Static).update(self._race_title())
         for side in SIDES:
             self._show_side(side)
         self.query_one("#answer", Static).update(self._answer())
         self.query_one("#answer-more", Static).update(self._references())
-
-    def _table(self) -> RenderableType:
-        table = Table(box=None, pad_edge=False, show_edge=False, padding=(0, 1), expand=False)
-        table.add_column("trick", no_wrap=True)
-        for name in ("B/token", "stops at", "reach", "Δnats/B", "top-1", "speed"):
-            table.add_column(name, justify="right", no_wrap=True)
-        rows, plain = self.table.rows, self.table.rows.get("plain")
-        measuring = next((r.key for r in TABLE_ROWS if r.key not in rows), None)
-        for spec in TABLE_ROWS:
-            row = rows.get(spec.key)
-            if row is None:
-                running = spec.key == measuring and self.table.started and not self.table.failed
-                state = "not run" if self.table.failed else "measuring…" if running else "waiting"
-                words = Text(state, style="dim italic")
-                table.add_row(Text(SHORT_LABELS.get(spec.key, spec.label)), words, *[""] * 5)
-                continue
-            table.add_row(*_cells(row, plain))
-        return table
 
     def _caption(self) -> Text:
         table = self.table
@@ -594,7 +483,7 @@ class TricksScreen(LessonScreen):
         words.append("To continue the chat: ", style="bold")
         rows, plain = self.table.rows, self.table.rows.get("plain")
         parts = [
-            f"{_short(rows[key])} {_reach(rows[key], plain)}{_cost(rows[key])}"
+            f"{short_name(rows[key])} {reach_words(rows[key], plain)}{cost_words(rows[key])}"
             for key in ("int8", "fp8", "window", "mqa")
             if key in rows and plain is not None
         ]
@@ -628,102 +517,3 @@ class TricksScreen(LessonScreen):
             words.append("Published, a reference (not measured here): ", style="italic")
             words.append("; ".join(r.short or r.claim for r in refs))
         return words
-
-
-# --- the table's cells ---------------------------------------------------------------------------
-
-
-NO_RACE = "No race on this engine: pick tiny, shape: or sim: (ctrl+p), then r."
-"""A race pane's words where the run's engine has no race (a replay, hf:, vllm:)."""
-
-
-def _short(row: dict[str, Any]) -> str:
-    return {"fp8": "fp8", "int8": "int8", "window": "a window", "mqa": "1 KV head"}.get(
-        str(row.get("key")), str(row.get("label", ""))
-    )
-
-
-def _reach(row: dict[str, Any], plain: dict[str, Any] | None) -> str:
-    """How far the same pool takes the trick, against the plain cache: "5.4x the tokens", or
-    "never fills" (a window)."""
-    predicted = row.get("tokens_before_full_predicted")
-    if predicted is None:
-        return "never fills"
-    base = (plain or {}).get("steps") or 0
-    return f"{format_ratio(predicted / base)} the tokens" if base else ""
-
-
-def _cost(row: dict[str, Any]) -> str:
-    q = row.get("quality")
-    if not isinstance(q, dict):
-        return ""
-    delta = q.get("nats_per_byte", 0.0) - q.get("nats_per_byte_baseline", 0.0)
-    return f" ({delta:+.4f} nats/B)"
-
-
-def _cells(row: dict[str, Any], plain: dict[str, Any] | None) -> list[Text]:
-    """One row of the table as cells; a row of formulas is dimmed."""
-    label = Text(SHORT_LABELS.get(str(row.get("key")), str(row.get("label", ""))))
-    formula, measured = row.get("kv_bytes_per_token_formula"), row.get("kv_bytes_per_token")
-    predicted = row.get("tokens_before_full_predicted")
-    base = (plain or {}).get("steps")
-    if row.get("baseline"):  # a batch: against the plain cache at the same batch
-        base = row["baseline"].get("steps")
-    reach = Text("")
-    if plain is not None and row.get("key") != "plain":
-        if predicted is None:
-            reach = Text("∞")
-        elif base:
-            reach = Text(format_ratio(predicted / base))
-        elif base == 0:
-            reach = Text(f"0 → {format_int(predicted)}")
-    if row.get("how") == "formula":
-        dim = "dim"
-        reach.stylize(dim)
-        label.stylize(dim)
-        return [
-            label,
-            Text(format_int(formula or 0), style=dim),
-            Text(format_int(predicted or 0), style=dim),
-            reach,
-            Text("-", style=dim),
-            Text("-", style=dim),
-            Text("-", style=dim),
-        ]
-    if isinstance(measured, int):  # from the cache's tensors
-        per_token = Text(format_int(measured))
-        if measured == formula:
-            per_token.append(" ✓", style="bold")
-    else:  # modelled (sim:): the formula is all there is
-        per_token = Text(format_int(formula) if isinstance(formula, int) else "?")
-    steps = row.get("steps") or 0
-    if row.get("stopped"):
-        stops = Text(format_int(steps))
-        if steps == predicted:
-            stops.append(" ✓", style="bold")
-    else:
-        stops = Text("never" if predicted is None else f"{format_int(steps)}+")
-    q = row.get("quality")
-    if isinstance(q, dict):
-        delta = Text(f"{q['nats_per_byte'] - q['nats_per_byte_baseline']:+.4f}")
-        top1 = Text(f"{q['top1_agreement']:.0%}")
-    else:
-        delta = Text("ref" if row.get("key") == "plain" else "-", style="dim")
-        top1 = Text("")
-    return [label, per_token, stops, reach, delta, top1, _speed(row, plain)]
-
-
-def _speed(row: dict[str, Any], plain: dict[str, Any] | None) -> Text:
-    """The row's step against the plain cache's: timed in turns where the table did (a torch
-    engine), else its own run's (modelled on sim:); "…" while the turns are still to come."""
-    speed = row.get("speed") or {}
-    in_turns = speed.get("vs_plain_in_turns")
-    if in_turns:
-        return Text(f"{in_turns:.2f}x")
-    if row.get("how") == "measured":
-        return Text("…" if row.get("key") not in ("prefix",) else "", style="dim")
-    tpot = speed.get("tpot_first_steps_s")
-    base = ((plain or {}).get("speed") or {}).get("tpot_first_steps_s")
-    if row.get("baseline"):
-        base = (row["baseline"].get("speed") or {}).get("tpot_first_steps_s")
-    return Text(format_ratio(base / tpot)) if tpot and base else Text("")

@@ -24,7 +24,8 @@ from fakes import FakeEngine
 from textual import events
 from textual.geometry import Size
 
-from kvtui.app import engine_process, make_app
+from kvtui.app import make_app
+from kvtui.run.process import EngineProcess
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.recompute import RecomputeScreen
 
@@ -93,7 +94,7 @@ def _gone(pid: int) -> bool:
 
 
 async def test_a_killed_engine_process_is_reported_and_r_starts_another():
-    app = make_app(SLOW_SIM, 1, probe=PROBE, engine_factory=engine_process)
+    app = make_app(SLOW_SIM, 1, probe=PROBE, engine_factory=EngineProcess)
     seen = []
     async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
         await wait_for(pilot, lambda: app.live.loop("cached").steps > 0)
@@ -113,7 +114,7 @@ async def test_a_killed_engine_process_is_reported_and_r_starts_another():
 
 
 async def test_a_stopped_engine_process_neither_freezes_the_keys_nor_blocks_quitting():
-    app = make_app(SLOW_SIM, 1, probe=PROBE, engine_factory=engine_process)
+    app = make_app(SLOW_SIM, 1, probe=PROBE, engine_factory=EngineProcess)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.live.loop("cached").steps > 0)
         engine = app.engine

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from conftest import PROBE, screen_text, wait_for
 from fakes import FakeEngine
+from textual import events
 from textual.widgets import Static
 
 from kvtui.app import make_app
@@ -133,6 +134,28 @@ async def test_at_80x24_the_live_pool_and_what_if_are_both_on_screen():
         text = words(app)
         assert "LIVE (modelled)" in text and "WHAT-IF" in text and "Stopped:" in text
         assert kv_bytes_per_token(get_model("llama-3.1-8b")) == PER_TOKEN
+
+
+async def test_keys_held_down_each_count_and_the_budget_stops_at_the_engines_own_pool():
+    """Screen 3's keys set the App's next run at once, so a key held down (auto-repeat: keys
+    with no frame between) counts every press; up, the budget stops at the pool the engine took
+    by itself."""
+    app = sim_app(SIM)
+    seen = []
+    async with app.run_test(size=SIZE, message_hook=seen.append) as pilot:
+        await wait_for(pilot, lambda: finished(app))
+        default = app.live.started.kv_capacity_bytes
+        keys = ["left_square_bracket"] * 3 + ["n"] * 3  # 8 MiB, 4, 2; batch 2, 4, 8
+        for key in keys:  # as a terminal delivers them: all at once
+            app.post_message(events.Key(key, None))
+        await wait_for(pilot, lambda: sum(isinstance(m, events.Key) for m in seen) >= len(keys))
+        await pilot.pause()
+        assert (app.kv_budget, app.batch) == (2 << 20, 8)
+        for _ in range(20):
+            app.post_message(events.Key("right_square_bracket", None))
+        await wait_for(pilot, lambda: sum(isinstance(m, events.Key) for m in seen) >= 26)
+        await pilot.pause()
+        assert app.kv_budget == default  # not the power of two above it
 
 
 async def test_n_runs_a_batch_whose_counts_stay_per_sequence_and_whose_pool_holds_all():

@@ -5,8 +5,9 @@ keys pick the trick and its setting, and the essentials fit 80x24."""
 from pathlib import Path
 
 from kvtui.engines.protocol import RunFailed, RunSettings
-from kvtui.screens.tricks import PoolLine, TricksScreen
+from kvtui.screens.tricks import TricksScreen
 from kvtui.testing import ScriptedEngine, headless
+from kvtui.widgets.pool_line import PoolLine
 from kvtui.widgets.stream import TokenStream
 
 SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=24, replay_speed=0)
@@ -158,3 +159,24 @@ async def test_a_race_engines_message_shows_as_written():
         await run.wait_for(lambda: screen.race and not screen.racing)
         await run.settle()
         assert message in run.text()
+
+
+async def test_the_race_runs_on_the_apps_engines_and_closing_them_ends_the_race_too():
+    """The race is another run of the App's engines (its one owner makes them), read as the run
+    is; closing the App's engines (as `q` and the end of `kvtui` do) ends every one it made, the
+    race's too, at once (not when their readers next look)."""
+
+    def engines(settings: RunSettings) -> ScriptedEngine:
+        if settings.loops == ("cached",):  # a race's engine: it stalls mid-run, a long step
+            return ScriptedEngine.from_settings(settings, hold_at=6)
+        return ScriptedEngine.from_settings(settings)
+
+    async with headless(SIM, screen=4, size=(100, 30), engine=engines) as run:
+        screen = _screen(run)
+        await run.wait_for(lambda: screen.race and screen.race["plain"].loop("cached").steps)
+        await run.wait_for(lambda: screen.race["trick"].loop("cached").steps)
+        race = [e for e in run.engines if e.settings.loops == ("cached",)]
+        assert len(race) == 2 and all(e.alive for e in race)
+        assert all(len(e.sent) == 6 for e in race)
+        run.app.close_engine()
+        assert not any(e.alive for e in run.engines)

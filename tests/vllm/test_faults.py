@@ -5,9 +5,11 @@ one line (exit 2) or a line on screen, and the app stays up. No vLLM needed."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,7 +20,7 @@ from kvtui.engines.protocol import RunFinished, RunSettings, ServerMetrics, Step
 from kvtui.engines.schedule import RunControl, run_events
 from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.load import FILL_WAVES, MAX_CONCURRENCY, fill_plan
-from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
+from kvtui.testing import NO_GPU_PROBE, drive, headless, screen_text, wait_for
 
 from .fake import FakeVLLM
 
@@ -267,3 +269,55 @@ async def test_a_poll_without_the_usage_gauge_says_so_rather_than_draw_0_percent
             assert "blocks in use" not in screen_text(app)
     finally:
         server.close()
+
+
+def _loads() -> list[int]:
+    """This process's `kvtui load` children that still run (kvtui.run.process.LoadProcess)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            command = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(ppid) == os.getpid() and state != "Z" and b"main(['load'" in command:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_f_on_screen_3_puts_a_load_on_the_server_and_says_how_it_ended():
+    """`f` shows on screen 3 only with a served run's server, puts a load of twice its cache on it
+    (`kvtui load`, a process of its own) and says how the load ended; quitting ends a load that
+    still runs."""
+    server = FakeVLLM(token_delay_s=0.001).start()
+    app = make_app(settings(server.url, tokens=8), 3, probe=NO_GPU_PROBE)
+    try:
+        async with drive(app, (100, 30)) as run:
+            await run.wait_for(lambda: "blocks in use" in run.text(), timeout=30)
+            await run.wait_for(lambda: "f Fill" in run.text().splitlines()[-1], timeout=10)
+            await run.press("f")
+            await run.wait_for(lambda: any("kvtui load:" in n for n in run.notifications))
+            ended = lambda: [n for n in run.notifications if "requests done" in n]  # noqa: E731
+            await run.wait_for(ended, timeout=60)
+            assert f"of {FILL_WAVES * 16} requests done" in ended()[0]  # twice 40 blocks of 32
+            assert _loads() == []
+            completions = sum(r == "POST /v1/completions" for r in server.requests)
+            assert completions > 1  # the run's own, and the load's
+            await run.press("f")  # again, once the first has ended
+            started = lambda: [n for n in run.notifications if "kvtui load:" in n]  # noqa: E731
+            await run.wait_for(lambda: len(started()) == 2)
+            assert len(_loads()) == 1
+            await run.press("q")
+        assert _loads() == []  # quitting ended it
+    finally:
+        server.close()
+
+
+async def test_f_is_not_a_key_without_a_server_to_fill():
+    async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=8), 3, size=(100, 30)) as run:
+        await run.until_done()
+        assert "Fill" not in run.text().splitlines()[-1]
+        await run.press("f")
+        assert not any("load" in n for n in run.notifications) and _loads() == []

@@ -1,0 +1,211 @@
+"""Screen 3's live side as text and bars: the running engine's memory, measured (its KV pool's
+bar, what the pool holds against what the run did, and the budget the next run will have), and
+its live lines (dtype, KV held, rates, the formula's bytes and FLOPs over the step's time).
+
+Pure: each function reads a run (kvtui.run.live.LiveRun) and the next run's choices and returns
+what to draw; the screen puts it in its widgets."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from rich.text import Text
+from textual.content import Content
+
+from kvtui.engines.capabilities import OWN_ENGINES
+from kvtui.format import (
+    format_bandwidth,
+    format_bytes,
+    format_count,
+    format_int,
+    format_percent,
+    format_rate,
+    safe_text,
+)
+from kvtui.run.live import LivePool, LiveRun
+from kvtui.sim.tricks import tokens_before_full
+from kvtui.widgets.plain import plain
+from kvtui.widgets.vram import Bar, Part
+
+NO_POOL_WORDS = (
+    "This run reports no KV pool: an hf: model keeps transformers' own cache (sized for the run), "
+    f"and a replay shows what was recorded. The budget keys apply to {OWN_ENGINES}."
+)
+"""What the live status says of a run without a KV pool."""
+
+
+def live_pool_bar(run: LiveRun) -> tuple[Bar, str | Sequence[str], str | Sequence[str]]:
+    """The running engine's memory as a bar, with its titles and subtitles (fullest first): the
+    weights, KV filled, the last block's unused tail, the free pool (and, on a GPU, the rest of
+    the device), red once the pool ran out."""
+    started, live = run.started, run.pool()
+    if started is None:
+        return Bar((), 1), "LIVE: the running engine's memory, once it starts", ""
+    device = safe_text(started.device, one_line=True)
+    where = device.split(" (")[0] + (", per GPU" if device.endswith(", per GPU") else "")
+    model = safe_text(started.model, one_line=True)
+    title = (
+        f"REPLAY ({safe_text(run.recorded, one_line=True)}): {model}"
+        if run.replayed
+        else f"LIVE ({run.how}): {model} on {where}"
+    )
+    if live is None:
+        return Bar((), 1), f"{title}: no KV pool", ""
+    pool = live.pool
+    rows = f" x {live.batch}" if live.batch > 1 else ""
+    kv = [
+        Part(
+            "KV filled",
+            live.filled_bytes,
+            "kv",
+            f"({format_int(live.filled_tokens)} tok{rows})",
+            short="KV",
+        ),
+        Part("block tail", live.tail_bytes, "tail", short="tail"),
+        Part("free pool", live.free_bytes, "free", short="free"),
+    ]
+    total = started.device_memory_total_bytes
+    if total:  # a GPU, real or modelled: the pool shares it with the weights
+        rest = max(0, total - started.weights_bytes - pool.capacity_bytes)
+        parts = (
+            Part("weights", started.weights_bytes, "weights"),
+            *kv,
+            Part("not for KV", rest, "reserve", short="other"),
+        )
+        shown = Bar(parts, total, full=bool(live.full))
+        capacity = [f"{format_bytes(total)} of device memory", format_bytes(total)]
+        nvml = (run.probe or {}).get("total_bytes")
+        if started.device.startswith("cuda") and isinstance(nvml, int) and nvml > 0:
+            capacity.insert(0, f"{capacity[0]} (torch; NVML {format_bytes(nvml)})")
+    else:  # a CPU: the pool is the budget; the weights sit beside it
+        note = f"· weights {format_bytes(started.weights_bytes)} beside it"
+        shown = Bar(tuple(kv), pool.capacity_bytes, full=bool(live.full), note=note)
+        capacity = ["its KV pool"]
+    size = f"KV pool {format_bytes(pool.capacity_bytes)}"
+    blocks = f"blocks of {pool.block_tokens}"
+    return (
+        shown,
+        [*(f"{title} · {c}" for c in capacity), title],
+        [f"{size} ({live.source}) · {blocks}", f"{size} · {blocks}", size],
+    )
+
+
+def pool_words(
+    live: LivePool,
+    *,
+    replayed: bool,
+    kv_budget: int | None,
+    batch: int,
+    length: int,
+    short: bool,
+) -> Text:
+    """What the pool holds, predicted, against what the run did, measured; and the budget the
+    next run will have (`kv_budget`, None: this one's; `batch`, `length`), unless the run is a
+    replay. `short`: two lines, for 80x24."""
+    pool, P = live.pool, live.prompt_tokens
+    predicted = live.stops_at
+    words = Text()
+    if live.full:
+        # At 80x24 two lines, so that the side's live lines keep theirs: the pool's size
+        # and blocks are on the bar's border.
+        why = (
+            f"the {format_bytes(pool.capacity_bytes)} pool is full"
+            if short
+            else safe_text(live.full, one_line=True)
+        )
+        words.append(f"Stopped: {why}. ", style="bold")
+        words.append(
+            f"Measured: {format_int(live.steps)} tokens, predicted "
+            f"{format_int(live.tokens_before_full or 0)}; ] and r: a larger pool. "
+        )
+    else:
+        words.append(
+            f"{format_int(live.blocks)} of {format_int(pool.blocks)} blocks taken "
+            f"({format_bytes(live.allocated_bytes)}). Holds "
+            f"{format_int(pool.tokens_per_sequence(live.batch))} tokens"
+            + (f" per sequence of {live.batch}: " if live.batch > 1 else ": ")
+        )
+        words.append(
+            f"this run stops after {format_int(predicted)} of its "
+            f"{format_int(live.run_tokens)} (predicted). "
+            if predicted is not None
+            else f"this run's {format_int(P + live.run_tokens)} fit. "
+        )
+    budget = kv_budget if kv_budget is not None else pool.capacity_bytes
+    B = batch
+    changed = budget != pool.capacity_bytes or live.batch != B or length != live.run_tokens
+    if changed and not replayed:  # a replay plays what was recorded, whatever r
+        nxt = replace(pool, capacity_bytes=budget)
+        room = tokens_before_full(nxt, live.layout, P, B)
+        after = (
+            f"it stops after {format_int(room)} tokens"
+            if room is not None and room < length
+            else f"{format_int(length)} tokens fit"
+        )
+        rows, each = (f", batch {B}", " each") if B > 1 else ("", "")
+        holds = format_int(nxt.tokens_per_sequence(B))
+        words.append(
+            f"Next run: {format_bytes(budget)}{rows} holds {holds}{each}, {after}: r.",
+            style="bold",
+        )
+    return words
+
+
+def live_words(run: LiveRun) -> Content:
+    """The running engine: its dtype and why; measured, KV held against the formula (and a
+    GPU's memory in use), prefill and decode rates, tokens/s at its batch; then the formula's
+    bytes and FLOPs over the step's time, against the peak and the ridge."""
+    started = run.started
+    if started is None:
+        return Content("The running engine's memory appears here once it starts.")
+    threads = format_count(started.threads, "thread") if started.threads > 0 else ""
+    how = {"modelled": "modelled: roofline", "replayed": "measured then"}.get(run.how, run.how)
+    head = "Replayed" if run.replayed else "Live"
+    lines: list[Content | str] = [
+        Content.from_markup(f"[b]{head}[/b] ({how}{', ' + threads if threads else ''}):")
+    ]
+    if started.dtype_source:  # a record's words: text, never markup
+        lines.append(plain(f"{started.dtype}: {started.dtype_source}"))
+    measured = run.kv_bytes_measured()
+    last = run.loop("cached").last
+    if measured:
+        held, formula = measured
+        mark = "= formula" if held == formula else f"formula {format_bytes(formula)}"
+        line = f"KV held {format_bytes(held)} {mark}"
+        if started.device.startswith("cuda") and last and last.device_memory_bytes:
+            line += f"; {format_bytes(last.device_memory_bytes)} in use"
+        lines.append(line)
+    trace, B = run.loop("cached"), run.batch
+    if trace.steps > 1 and trace.seconds_total > trace.seconds_cumulative[0] > 0:
+        # prefill reads the prompt in one pass; decode writes one position per step
+        first = trace.seconds_cumulative[0]
+        later = (trace.seconds_total - first) / (trace.steps - 1)
+        P = started.prompt_tokens
+        lines.append(
+            f"pos/s: prefill {format_rate(P * B / first)}, decode {format_rate(B / later)}"
+        )
+    if trace.steps > 1 and trace.seconds_total > 0:
+        rate = trace.steps / trace.seconds_total  # steps per second: each a token per row
+        lines.append(
+            f"batch {B} (n): {format_rate(rate)} tok/s each, {format_rate(rate * B)} in all"
+            if B > 1
+            else f"batch 1 (n): {format_rate(rate)} tok/s"
+        )
+    achieved = run.achieved_bandwidth()
+    intensity = last.flops / last.bytes_read if last and last.bytes_read else None
+    if achieved or intensity:  # the formula's bytes and FLOPs: not measurements of them
+        time = "modelled" if run.how == "modelled" else "measured"
+        lines.append(Content.from_markup(f"[b]Formula[/b] bytes, FLOPs / {time} time:"))
+    if achieved:
+        peak = started.peak_bandwidth_bytes_per_s
+        of = f", {format_percent(achieved / peak)} of peak" if peak else ", peak unknown"
+        lines.append(f"{format_bandwidth(achieved)} read{of}")
+    if intensity is not None and last is not None and last.step > 0:
+        ridge = started.ridge_flops_per_byte
+        if ridge:
+            bound = "memory-bound" if intensity < ridge else "compute-bound"
+            lines.append(f"{intensity:.1f} FLOPs/byte, ridge {ridge:.0f}: {bound}")
+        else:
+            lines.append(f"{intensity:.1f} FLOPs/byte (no ridge known)")
+    return Content("\n").join(lines)
