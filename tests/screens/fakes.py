@@ -98,6 +98,7 @@ def sim_events(
         kv_pool_source="modelled",
         ridge_flops_per_byte=card.ridge_flops_per_byte,
         ridge_source=f"the catalog's {card.display_name}",
+        modelled_gpu=card.name,
     )
     steps: dict[str, list[StepSample]] = {loop: [] for loop in settings.loops}
     for step in range(settings.tokens):
@@ -143,7 +144,9 @@ def measured_events(settings: RunSettings) -> list[Event]:
     """`sim_events` as a measured engine on a CPU reports its run: timing measured, the device
     `cpu`, one thread. For the screens' measured path (wall-time labels and explanations)."""
     return [
-        replace(e, timing="measured", device="cpu", threads=1) if isinstance(e, RunStarted) else e
+        replace(e, timing="measured", device="cpu", threads=1, modelled_gpu="")
+        if isinstance(e, RunStarted)
+        else e
         for e in sim_events(settings)
     ]
 
