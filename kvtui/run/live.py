@@ -450,15 +450,13 @@ class LiveRun:
     def pool(self) -> LivePool | None:
         """The running engine's KV pool and what the cached loop holds of it now, measured; None
         before the run starts or for an engine without a pool (`hf:`)."""
-        started = self.started
-        if started is None or started.kv_capacity_bytes is None or not started.kv_block_tokens:
+        started, pool = self.started, self.summary.pool
+        if started is None or pool is None:
             return None
         trace = self.loops["cached"]
         last, finished = trace.last, trace.finished
         return LivePool(
-            pool=KVPool(
-                started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
-            ),
+            pool=pool,
             source=started.kv_pool_source,
             prompt_tokens=started.prompt_tokens,
             run_tokens=started.tokens,

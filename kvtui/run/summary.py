@@ -41,7 +41,8 @@ from kvtui.sim.catalog import ModelSpec, get_model
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
 from kvtui.sim.parallel import shard
-from kvtui.sim.tricks import positions_held
+from kvtui.sim.pool import KVPool
+from kvtui.sim.tricks import positions_held, tokens_before_full
 
 RECENT_STEPS = 64
 """Later steps whose bandwidth `LoopSummary.recent_bandwidth_bytes_per_s` takes the median of."""
@@ -246,6 +247,12 @@ class LoopSummary:
         return self.last.kv_bytes_allocated if self.last is not None else None
 
     @property
+    def kv_bytes_per_position(self) -> int | None:
+        """Keys and values of one position of one sequence, every layer, as the loop's end
+        measured them from its cache's tensors; None before it ends, or without a cache."""
+        return self.finished.kv_bytes_per_position if self.finished is not None else None
+
+    @property
     def cached_positions(self) -> int:
         """Positions each sequence's cache holds after the newest step: every one before the new
         token (its own keys and values are written when it is fed back in, at the next step)."""
@@ -340,6 +347,51 @@ class RunSummary:
         uncached = self.loops["uncached"].seconds_cumulative[n - 1]
         cached = self.loops["cached"].seconds_cumulative[n - 1]
         return uncached / cached if cached > 0 and uncached > 0 else None
+
+    @property
+    def last_quartile_ratio(self) -> float | None:
+        """Uncached over cached median step time over each loop's last quarter of steps: how
+        far apart the loops' steps have grown by the end."""
+        uncached = self.loops["uncached"].step_seconds_last_quartile
+        cached = self.loops["cached"].step_seconds_last_quartile
+        return uncached / cached if uncached and cached else None
+
+    @property
+    def messages(self) -> list[str]:
+        """What the loops said as they ended (the cached loop's first), each message once."""
+        ends = (self.loops["cached"].finished, self.loops["uncached"].finished)
+        return list(dict.fromkeys(f.message for f in ends if f is not None and f.message))
+
+    # --- the KV pool ---------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> KVPool | None:
+        """The engine's KV pool, as its start said; None before the start, or for an engine
+        without a pool (`hf:`)."""
+        started = self.started
+        if started is None or started.kv_capacity_bytes is None or not started.kv_block_tokens:
+            return None
+        return KVPool(
+            started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
+        )
+
+    @property
+    def tokens_before_full(self) -> int | None:
+        """Tokens the cached loop generates before the pool is full, predicted in the run's
+        layout (kvtui.sim.tricks); None without a pool, or where it never fills."""
+        pool, started = self.pool, self.started
+        if pool is None or started is None:
+            return None
+        return tokens_before_full(pool, started.layout, started.prompt_tokens, started.batch)
+
+    def kv_blocks_allocated(self, loop: Loop = "cached") -> int | None:
+        """Whole blocks a loop's cache holds: its allocated bytes over a block's; None before a
+        step, or for an engine that keeps no blocks."""
+        started, allocated = self.started, self.loops[loop].kv_bytes_allocated
+        if started is None or allocated is None or not started.kv_block_tokens:
+            return None
+        block_bytes = started.kv_block_tokens * started.kv_bytes_per_token
+        return allocated // block_bytes if block_bytes else None
 
     # --- the KV cache against its formula ------------------------------------------------------
 

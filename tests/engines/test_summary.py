@@ -17,7 +17,8 @@ from kvtui.engines.protocol import (
     StepSample,
 )
 from kvtui.engines.replay import RecordWriter
-from kvtui.reports.bench import format_table, run_bench
+from kvtui.reports.bench import run_bench
+from kvtui.reports.bench_text import format_table
 from kvtui.run.live import LiveRun
 from kvtui.run.summary import RunSummary, summarize_events, windowed_spec
 from kvtui.sim.catalog import ModelSpec
@@ -205,6 +206,27 @@ def test_kv_bytes_against_the_formula_without_windows():
     assert s.kv_bytes_formula() == 2 * PER_TOKEN * (P + 4) and s.kv_matches_formula() is True
     assert s.kv_bytes_formula("uncached") is None  # it keeps no cache
     assert s.loop("uncached").kv_bytes_filled == 0
+
+
+def test_the_pool_blocks_stop_and_messages_are_the_folds():
+    """The figures `kvtui bench` once worked out beside the fold: the pool of the run's start,
+    where it stops the cached loop, the blocks held, the loops' messages and step-time ratio."""
+    events = run(tokens=5, batch=2)
+    events[6] = RunFinished("cached", "out_of_memory", 5, "the KV cache is full")
+    events[-1] = RunFinished("uncached", "done", 5, "the KV cache is full")
+    s = summarize_events(events)
+    assert s.pool is not None and (s.pool.blocks, s.pool.block_tokens) == (16, 4)
+    # 16 blocks of 4 slots, 8 blocks a sequence: 32 positions, the prompt's 3, then 30 tokens
+    assert s.tokens_before_full == 30
+    assert s.kv_blocks_allocated() == 4  # 7 positions of each sequence: 2 blocks each
+    assert s.kv_blocks_allocated("uncached") == 0
+    assert s.messages == ["the KV cache is full"]  # said by both loops, listed once
+    assert s.last_quartile_ratio == 0.5 / 0.25
+    assert s.loop("cached").kv_bytes_per_position is None  # its end measured no tensors
+    empty = RunSummary()
+    assert empty.pool is None and empty.tokens_before_full is None
+    assert empty.kv_blocks_allocated() is None and empty.messages == []
+    assert empty.last_quartile_ratio is None
 
 
 def test_the_end_of_a_loop_measures_the_cache():
