@@ -15,13 +15,15 @@ worked out in one place:
 
 Counts are the whole batch's, as the protocol's: `batch` B sequences' positions, FLOPs and bytes;
 `positions_cumulative` alone is per sequence (the lesson's staircase). Each step is kept as six
-numbers in arrays (48 bytes), so a run of MAX_TOKENS steps a loop stays a few MiB.
+numbers in columns (48 bytes), so a run of MAX_TOKENS steps a loop stays a few MiB; a `snapshot`
+of the fold, the screens' copy, shares them as views (kvtui.run.columns) and costs no more at the
+run's end than at its start.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
-from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -36,6 +38,7 @@ from kvtui.engines.protocol import (
     ServerMetrics,
     StepSample,
 )
+from kvtui.run.columns import Column
 from kvtui.run.serving import ServerWatch
 from kvtui.sim.catalog import ModelSpec, get_model
 from kvtui.sim.hf_config import model_from_hf_config
@@ -56,21 +59,21 @@ class LoopSummary:
     loop: Loop
     batch: int = 1
     """Sequences each step's counts cover."""
-    token_ids: array[int] = field(default_factory=lambda: array("q"))
+    token_ids: Column[int] = field(default_factory=lambda: Column("q"))
     """Row 0's token of each step."""
-    step_seconds: array[float] = field(default_factory=lambda: array("d"))
-    seconds_cumulative: array[float] = field(default_factory=lambda: array("d"))
+    step_seconds: Column[float] = field(default_factory=lambda: Column("d"))
+    seconds_cumulative: Column[float] = field(default_factory=lambda: Column("d"))
     """Seconds after each step, summed from the first."""
-    positions_cumulative: array[int] = field(default_factory=lambda: array("q"))
+    positions_cumulative: Column[int] = field(default_factory=lambda: Column("q"))
     """Positions computed after each step, summed from the first, per sequence (the engine's
     count over the batch, divided by it)."""
     positions_computed: int = 0
     """Positions computed over every step, every sequence's."""
     first_positions: int = 0
     """Positions the first step computed, every sequence's: the prompt (a prefill, cached)."""
-    bandwidth: array[float] = field(default_factory=lambda: array("d"))
+    bandwidth: Column[float] = field(default_factory=lambda: Column("d"))
     """Bytes read by the formula per measured second, of each timed step after the first."""
-    intensity: array[float] = field(default_factory=lambda: array("d"))
+    intensity: Column[float] = field(default_factory=lambda: Column("d"))
     """FLOPs per byte read, both by the formula, of each step after the first that reads."""
     flops_counted: int | None = None
     """FLOPs torch's FlopCounterMode counted, summed over the sampled steps (None: none was)."""
@@ -83,7 +86,7 @@ class LoopSummary:
     def add(self, sample: StepSample, batch: int = 1) -> None:
         """Fold one step of this loop in (`batch`: sequences each of its counts covers)."""
         self.batch = batch
-        later = bool(self.step_seconds)
+        later = self.last is not None
         self.token_ids.append(sample.token_id)
         self.step_seconds.append(sample.step_seconds)
         self.seconds_cumulative.append(self.seconds_total + sample.step_seconds)
@@ -103,6 +106,18 @@ class LoopSummary:
             self.flops_sampled_steps += 1
         self.last = sample
 
+    def snapshot(self) -> LoopSummary:
+        """A read-only copy that later steps leave as it is, whatever the run's length: each
+        column a view of its steps so far (kvtui.run.columns), the events shared (frozen)."""
+        copied = copy.copy(self)
+        copied.token_ids = self.token_ids.snapshot()
+        copied.step_seconds = self.step_seconds.snapshot()
+        copied.seconds_cumulative = self.seconds_cumulative.snapshot()
+        copied.positions_cumulative = self.positions_cumulative.snapshot()
+        copied.bandwidth = self.bandwidth.snapshot()
+        copied.intensity = self.intensity.snapshot()
+        return copied
+
     # --- steps and time ------------------------------------------------------------------------
 
     @property
@@ -116,10 +131,7 @@ class LoopSummary:
     @property
     def last_positions(self) -> int:
         """Positions the newest step computed, per sequence."""
-        n = len(self.positions_cumulative)
-        if n == 0:
-            return 0
-        return self.positions_cumulative[-1] - (self.positions_cumulative[-2] if n > 1 else 0)
+        return self.last.positions_computed // self.batch if self.last is not None else 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -294,6 +306,13 @@ class RunSummary:
             self.failure = event.message
         elif isinstance(event, ServerMetrics):
             self.server.add(event)
+
+    def snapshot(self) -> RunSummary:
+        """A copy that later events leave as it is (each loop's `snapshot`, the server's)."""
+        copied = copy.copy(self)
+        copied.loops = {name: loop.snapshot() for name, loop in self.loops.items()}
+        copied.server = self.server.snapshot()
+        return copied
 
     def _compare(self) -> None:
         """Compare the tokens of the steps both loops have newly made (each step once)."""
