@@ -1,4 +1,4 @@
-"""Append-only columns of numbers, whose snapshots cost nothing, without a UI.
+"""The columns of numbers a run keeps, and their snapshots, without a UI.
 
 A run's fold (kvtui.run.summary) keeps a few numbers a step, for up to MAX_TOKENS steps a loop,
 and the screens read a snapshot of it up to RUN_UPDATES_PER_SECOND times a second while the fold
@@ -6,6 +6,9 @@ goes on. A `Column` is an array (8 bytes an item) that only ever grows at its en
 of it is a view of the items it holds now: the same array and a length, no copy. Appends after it
 never change the items it shows (an array that outgrows its buffer moves them, values intact), so
 the view stays as it was taken. The fold's own column appends and reads at the array's speed.
+
+A `Series` is what a chart draws of one quantity: at most MAX_POINTS (step, value) points, every
+other one dropped as it fills; its snapshot shares its lists until the next point (copy on write).
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ from __future__ import annotations
 import itertools
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar, overload
 
 N = TypeVar("N", int, float)
+
+MAX_POINTS = 2048
+"""Points kept per chart series; past it every other point is dropped (the stride doubles)."""
 
 
 class Column(Sequence[N]):
@@ -87,3 +94,34 @@ class Column(Sequence[N]):
 
 def _read_only(value: object) -> NoReturn:
     raise RuntimeError("a snapshot of a column is read-only: the fold appends to its own")
+
+
+@dataclass
+class Series:
+    """One measured quantity per step, downsampled by a doubling stride to stay bounded."""
+
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    stride: int = 1
+    _shared: bool = field(default=False, init=False, repr=False, compare=False)
+    """A snapshot reads these lists too: the next point goes into copies of them."""
+
+    def add(self, step: int, value: float) -> None:
+        if step % self.stride:
+            return
+        if self._shared:  # copy on write: the snapshot keeps the lists as they were
+            self.steps, self.values, self._shared = self.steps[:], self.values[:], False
+        self.steps.append(step)
+        self.values.append(value)
+        if len(self.steps) > MAX_POINTS:
+            self.stride *= 2
+            kept = [i for i, s in enumerate(self.steps) if s % self.stride == 0]
+            self.steps = [self.steps[i] for i in kept]
+            self.values = [self.values[i] for i in kept]
+
+    def snapshot(self) -> Series:
+        """A copy that later points leave as it is, sharing the lists until the next point
+        (copy on write: a series that no longer grows, a finished loop's, is never copied)."""
+        copied = Series(self.steps, self.values, self.stride)
+        copied._shared = self._shared = True
+        return copied

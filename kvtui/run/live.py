@@ -27,15 +27,13 @@ from kvtui.engines.protocol import (
     ServerMetrics,
     StepSample,
 )
+from kvtui.run.columns import Series
 from kvtui.run.serving import ServerWatch
 from kvtui.run.summary import LoopSummary, RunSummary
 from kvtui.sim.pool import KVPool
 from kvtui.sim.tricks import KVLayout, tokens_before_full
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
-
-MAX_POINTS = 2048
-"""Points kept per chart series; past it every other point is dropped (the stride doubles)."""
 
 RUN_UPDATES_PER_SECOND = 10
 """How often the run the screens see may change: the one throttle between the engine and the
@@ -95,37 +93,6 @@ class CachePicture:
     @property
     def cached(self) -> bool:
         return self.loop == "cached"
-
-
-@dataclass
-class Series:
-    """One measured quantity per step, downsampled by a doubling stride to stay bounded."""
-
-    steps: list[int] = field(default_factory=list)
-    values: list[float] = field(default_factory=list)
-    stride: int = 1
-    _shared: bool = field(default=False, init=False, repr=False, compare=False)
-    """A snapshot reads these lists too: the next point goes into copies of them."""
-
-    def add(self, step: int, value: float) -> None:
-        if step % self.stride:
-            return
-        if self._shared:  # copy on write: the snapshot keeps the lists as they were
-            self.steps, self.values, self._shared = self.steps[:], self.values[:], False
-        self.steps.append(step)
-        self.values.append(value)
-        if len(self.steps) > MAX_POINTS:
-            self.stride *= 2
-            kept = [i for i, s in enumerate(self.steps) if s % self.stride == 0]
-            self.steps = [self.steps[i] for i in kept]
-            self.values = [self.values[i] for i in kept]
-
-    def snapshot(self) -> Series:
-        """A copy that later points leave as it is, sharing the lists until the next point
-        (copy on write: a series that no longer grows, a finished loop's, is never copied)."""
-        copied = Series(self.steps, self.values, self.stride)
-        copied._shared = self._shared = True
-        return copied
 
 
 @dataclass

@@ -22,8 +22,8 @@ from kvtui.engines.protocol import (
 from kvtui.engines.replay import RecordWriter
 from kvtui.reports.bench import run_bench
 from kvtui.reports.bench_text import format_table
-from kvtui.run.columns import Column
-from kvtui.run.live import MAX_POINTS, LiveRun
+from kvtui.run.columns import MAX_POINTS, Column
+from kvtui.run.live import LiveRun
 from kvtui.run.summary import RunSummary, summarize_events, windowed_spec
 from kvtui.sim.catalog import ModelSpec
 from kvtui.sim.memory import kv_bytes
