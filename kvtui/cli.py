@@ -88,7 +88,8 @@ def has_terminal() -> bool:
 def cmd_bench(args: argparse.Namespace) -> int:
     """Both loops on one prompt, measured; a table, or `--json`. `--batch` with several sizes
     runs one bench per size: a line each, or `{"sweep": [summary, ...]}`."""
-    from kvtui.reports.bench import format_sweep, format_table, run_bench, run_sweep
+    from kvtui.reports.bench import run_bench, run_sweep
+    from kvtui.reports.bench_text import format_sweep, format_table
 
     batches = args.batches
     settings = settings_from_args(args, default_tokens=256)

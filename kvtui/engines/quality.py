@@ -84,12 +84,9 @@ def forced_logits(model: Transformer, ids: Tensor, layout: KVLayout | None = Non
     setup_layout_caches(model, 1, N, layout, block_tokens=BLOCK_TOKENS)
     try:
         first = min(N - 1, CHUNK if layout.window is None else min(CHUNK, layout.window))
-        parts = [model(ids[:, :first], 0, use_cache=True)[0]]
         step = CHUNK if layout.window is None else 1
-        for start in range(first, N - 1, step):
-            end = min(start + step, N - 1)
-            parts.append(model(ids[:, start:end], start, use_cache=True)[0])
-        return torch.cat(parts)
+        head = model(ids[:, :first], 0, use_cache=True)[0]
+        return torch.cat([head, *_fed_through_cache(model, ids, first, N - 1, step, row=0)])
     finally:
         model.drop_caches()
 
@@ -104,13 +101,21 @@ def shared_prefix_logits(model: Transformer, ids: Tensor, layout: KVLayout, pref
     rows = ids.expand(2, -1)
     setup_layout_caches(model, 2, N, layout, block_tokens=BLOCK_TOKENS)
     try:
-        parts = [prefill_shared(model, rows[:, :prefix])[1:2]]
-        for start in range(prefix, N - 1, CHUNK):
-            end = min(start + CHUNK, N - 1)
-            parts.append(model(rows[:, start:end], start, use_cache=True)[1])
-        return torch.cat(parts)
+        head = prefill_shared(model, rows[:, :prefix])[1:2]
+        return torch.cat([head, *_fed_through_cache(model, rows, prefix, N - 1, CHUNK, row=1)])
     finally:
         model.drop_caches()
+
+
+def _fed_through_cache(
+    model: Transformer, rows: Tensor, start: int, stop: int, step: int, *, row: int
+) -> list[Tensor]:
+    """Next-token logits of sequence `row` at positions `start` to `stop - 1` of `rows` `(B, N)`,
+    fed through the model's cache `step` positions at a time after the `start` it holds."""
+    return [
+        model(rows[:, i : min(i + step, stop)], i, use_cache=True)[row]
+        for i in range(start, stop, step)
+    ]
 
 
 def greedy_tokens_of(

@@ -9,14 +9,14 @@ and counts the work and the KV cache of all of them. `run_sweep` runs one bench 
 (`kvtui bench --batch 1,2,4,8,16`): how throughput, step time and arithmetic intensity (FLOPs per
 byte read, against the device's ridge point where known) move with the batch.
 
-The events are folded by kvtui.run.summary, the fold the screens use too, so a figure means
-the same in both. Memory stays bounded: each step is kept as a few numbers in arrays (about 50
-bytes, not a 360-byte StepSample), with at most MAX_TEXT_CHARS of text, and a run has at most
-MAX_TOKENS steps per loop (kvtui.engines.factory.check_run). Every float of the summary is finite or
-None, so its JSON is JSON. `--record FILE` writes to a temporary file beside FILE and renames it
-onto FILE when the run ends, Ctrl-C included (the loops then end "cancelled"), so FILE is either
-untouched or a whole, replayable record; an existing FILE is replaced only with `force`, and never
-a link.
+The events are folded by kvtui.run.summary, the fold the screens use too, so a figure means the
+same in both: the summary names its figures, and kvtui.reports.bench_text prints it. Memory stays
+bounded: each step is kept as a few numbers in arrays (about 50 bytes, not a 360-byte StepSample),
+with at most MAX_TEXT_CHARS of text, and a run has at most MAX_TOKENS steps per loop
+(kvtui.engines.factory.check_run). Every float of the summary is finite or None, so its JSON is
+JSON. `--record FILE` writes to a temporary file beside FILE and renames it onto FILE when the run
+ends, Ctrl-C included (the loops then end "cancelled"), so FILE is either untouched or a whole,
+replayable record; an existing FILE is replaced only with `force`, and never a link.
 """
 
 from __future__ import annotations
@@ -45,17 +45,8 @@ from kvtui.engines.protocol import (
 from kvtui.engines.replay import RecordWriter
 from kvtui.engines.schedule import run_events
 from kvtui.errors import EngineError
-from kvtui.format import (
-    format_bandwidth,
-    format_bytes,
-    format_count,
-    format_int,
-    format_ratio,
-    safe_text,
-)
 from kvtui.run.summary import LoopSummary, RunSummary
-from kvtui.sim.pool import KVPool
-from kvtui.sim.tricks import QUALITY_BYTES, tokens_before_full
+from kvtui.sim.tricks import QUALITY_BYTES
 
 MAX_TEXT_CHARS = 65_536
 """The most generated text a summary keeps (its table shows the first 200 characters)."""
@@ -127,31 +118,17 @@ def loop_stats(steps: LoopSummary) -> dict[str, Any]:
 
 
 def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
-    """The JSON-ready summary of a collected run (kvtui.run.summary's figures)."""
+    """The JSON-ready summary of a collected run: kvtui.run.summary's figures, by their names."""
     run = c.run
     started = run.started
     assert started is not None  # a run with steps began with its RunStarted (run_events)
     cached, uncached = run.loop("cached"), run.loop("uncached")
-    stats_c, stats_u = loop_stats(cached), loop_stats(uncached)
-    allocated = cached.kv_bytes_allocated
-    block_bytes = (
-        started.kv_block_tokens * started.kv_bytes_per_token if started.kv_block_tokens else None
-    )
-    last_q = (stats_c["step_ms_last_quartile"], stats_u["step_ms_last_quartile"])
-    layout = started.layout
-    per_position = cached.finished.kv_bytes_per_position if cached.finished else None
-    stop: int | None = None
-    if started.kv_capacity_bytes is not None and started.kv_block_tokens:
-        pool = KVPool(
-            started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
-        )
-        stop = tokens_before_full(pool, layout, started.prompt_tokens, started.batch)
-    kv_c = {
-        "kv_bytes_per_token": per_position,
+    kv = {
+        "kv_bytes_per_token": cached.kv_bytes_per_position,
         "kv_bytes_per_token_formula": started.kv_bytes_per_token if cached.steps else None,
-        "tokens_before_full_predicted": stop,
+        "tokens_before_full_predicted": run.tokens_before_full,
     }
-    kv_u = dict.fromkeys(kv_c)
+    layout = started.layout
     summary: dict[str, Any] = _finite(
         {
             "engine": settings.engine,
@@ -170,22 +147,12 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "identical": run.identical,
             "compared_tokens": run.compared_steps,
             "first_divergence": run.first_divergence,
-            "cached": {
-                **stats_c,
-                **kv_c,
-                "finished": _finished(cached.finished),
-                "quality": c.quality.get("cached"),
-            },
-            "uncached": {
-                **stats_u,
-                **kv_u,
-                "finished": _finished(uncached.finished),
-                "quality": c.quality.get("uncached"),
-            },
+            "cached": {**loop_stats(cached), **kv, **_ending(c, "cached")},
+            "uncached": {**loop_stats(uncached), **dict.fromkeys(kv), **_ending(c, "uncached")},
             "kv_layout": {**layout.to_json(), "words": layout.words()},
             "kv_heads_model": started.kv_heads_model,
             "speedup_wall": run.wall_speedup(),
-            "last_quartile_ratio": last_q[1] / last_q[0] if all(last_q) else None,
+            "last_quartile_ratio": run.last_quartile_ratio,
             "work_cached": None if started.served_by else cached.positions_computed,
             "work_uncached": None if started.served_by else uncached.positions_computed,
             "work_ratio": run.positions_speedup(),
@@ -193,10 +160,8 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "kv_capacity_bytes": started.kv_capacity_bytes,
             "kv_pool_source": started.kv_pool_source,
             "kv_block_tokens": started.kv_block_tokens,
-            "kv_blocks_allocated": allocated // block_bytes
-            if allocated is not None and block_bytes
-            else None,
-            "kv_bytes_allocated": allocated,
+            "kv_blocks_allocated": run.kv_blocks_allocated(),
+            "kv_bytes_allocated": cached.kv_bytes_allocated,
             "kv_bytes_filled": cached.kv_bytes_filled,
             "kv_bytes_formula": run.kv_bytes_formula("cached"),
             "weights_bytes": started.weights_bytes,
@@ -207,13 +172,7 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "ridge_source": started.ridge_source,
             "served_by": started.served_by,
             "server": served_summary(run) if started.served_by else None,
-            "messages": list(
-                dict.fromkeys(
-                    f.message
-                    for f in (cached.finished, uncached.finished)
-                    if f is not None and f.message
-                )
-            ),
+            "messages": run.messages,
         }
     )
     return summary
@@ -260,9 +219,12 @@ def served_summary(run: RunSummary) -> dict[str, Any]:
     }
 
 
-def _finished(f: RunFinished | None) -> dict[str, Any] | None:
-    """How a loop ended: its reason ("done", "out_of_memory", ...), steps and message."""
-    return {"reason": f.reason, "steps": f.steps, "message": f.message} if f else None
+def _ending(c: _Collected, loop: Loop) -> dict[str, Any]:
+    """How a loop ended (its reason, "done", "out_of_memory", ...; steps and message), and what
+    its cache layout costs in quality where that was measured."""
+    f = c.run.loops[loop].finished
+    finished = {"reason": f.reason, "steps": f.steps, "message": f.message} if f else None
+    return {"finished": finished, "quality": c.quality.get(loop)}
 
 
 def _finite(data: Any) -> Any:
@@ -492,277 +454,3 @@ def _collect(c: _Collected, event: Event) -> None:
     c.run.apply(event)
     if isinstance(event, StepSample):
         c.add_text(event)
-
-
-def _kv_lines(r: dict[str, Any]) -> list[str]:
-    """The KV cache's lines of the table: its pool, what the cached loop took and filled."""
-    lines = []
-    measured = r["timing"] == "measured"
-    how = "measured" if measured else "modelled"
-    if r["kv_capacity_bytes"] is not None:
-        pool = (
-            f"  KV pool: {format_bytes(r['kv_capacity_bytes'])} ({r['kv_pool_source']}), "
-            f"blocks of {r['kv_block_tokens']} tokens"
-        )
-        lines.append(pool)
-    elif r["kv_bytes_allocated"] is not None:
-        lines.append("  KV pool: none (the engine's own cache, sized for the run; no budget)")
-    if r["kv_bytes_allocated"] is not None:
-        blocks = r["kv_blocks_allocated"]
-        lines.append(
-            f"  KV cache at the end: {format_bytes(r['kv_bytes_allocated'])} allocated"
-            + (f" ({format_count(blocks, 'block')})" if blocks is not None else "")
-            + f", {format_bytes(r['kv_bytes_filled'] or 0)} filled ({how}); "
-            f"{format_bytes(r['kv_bytes_formula'] or 0)} by the formula"
-        )
-    return lines
-
-
-def _served_lines(r: dict[str, Any]) -> list[str]:
-    """A served run's server, as its /metrics said, and kvtui's prediction beside it."""
-    server = r["server"]
-    lines = [
-        f"  times above: kvtui's clock, over HTTP; {r['served_by']}'s own figures "
-        f"({server['polls']} polls of its /metrics):"
-    ]
-    if server["error"]:
-        lines.append(f"  the server's metrics: {server['error']}")
-    c = server["capacity"]
-    if isinstance(c, str):
-        lines.append(f"  KV cache: {c}")
-    else:
-        lines.append(
-            f"  KV cache: {format_int(c['tokens'])} tokens = {format_int(c['blocks'])} blocks x "
-            f"{c['block_tokens']}"
-            + (
-                f"; kvtui predicts {format_int(c['predicted_blocks'])} blocks from "
-                f"{format_bytes(c['memory_bytes'])} at {format_int(c['kv_bytes_per_token'])} B "
-                f"a token ({c['kv_dtype']}): "
-                + {True: "agree", False: "DISAGREE", None: "vLLM was told its blocks"}[c["agree"]]
-                if c["predicted_blocks"] is not None
-                else ""
-            )
-        )
-    if server["kv_usage_peak"] is not None:
-        lines.append(
-            f"  usage peak {server['kv_usage_peak'] * 100:.0f}%, preemptions while watched: "
-            f"{server['preemptions_seen']}"
-        )
-    ttft, itl = server["ttft_mean_s"], server["itl_mean_s"]
-    if ttft is not None or itl is not None:
-        lines.append(
-            f"  vLLM's histograms over {server['ttft_requests']} request(s): first token "
-            + ("-" if ttft is None else f"{ttft * 1e3:.2f} ms")
-            + ", between tokens "
-            + ("-" if itl is None else f"{itl * 1e3:.2f} ms")
-        )
-    return lines
-
-
-def _trick_lines(r: dict[str, Any]) -> list[str]:
-    """The KV-cache layout's lines: its bytes per token measured against the formula, where the
-    pool stops it, and what each loop's cache costs in quality."""
-    lines = []
-    layout, cached = r["kv_layout"]["words"], r["cached"]
-    measured, formula = cached["kv_bytes_per_token"], cached["kv_bytes_per_token_formula"]
-    if measured is not None and formula is not None:
-        verdict = "= formula" if measured == formula else f"formula {format_int(formula)}"
-        lines.append(
-            f"  KV cache ({layout}): {format_int(measured)} bytes per token measured from its "
-            f"tensors, {verdict}"
-        )
-    if r["kv_heads_model"] is not None:
-        lines.append(
-            f"  key/value heads: the model's {r['kv_heads_model']} averaged into "
-            f"{r['kv_layout']['kv_heads']} (no retraining)"
-        )
-    stop = cached["tokens_before_full_predicted"]
-    finished = cached["finished"]
-    if finished is not None and finished["reason"] == "out_of_memory":
-        lines.append(
-            f"  the cached loop stopped at {format_int(finished['steps'])} tokens (measured); "
-            f"predicted {format_int(stop) if stop is not None else 'never'}"
-        )
-    for loop in ("cached", "uncached"):
-        q = r[loop]["quality"]
-        if q is None:
-            continue
-        first = q["first_divergence"]
-        differ = (
-            f"greedy tokens first differ at step {first + 1:,}"
-            if first is not None
-            else f"greedy tokens the same over {q['greedy_tokens']:,}"
-        )
-        lines.append(
-            f"  quality ({loop}, measured on {format_int(q['positions'])} held-out positions): "
-            f"{q['nats_per_byte']:.4f} nats/byte vs {q['nats_per_byte_baseline']:.4f} "
-            f"without; KL {q['kl']:.5f}; top-1 agreement {q['top1_agreement']:.1%}; {differ}"
-        )
-    return lines
-
-
-def _flops_lines(r: dict[str, Any]) -> list[str]:
-    """Per loop, the FLOPs torch counted on the sampled steps against the formula's for them
-    (none for an engine that counts none: `sim:`, `replay:` of one)."""
-    lines = []
-    for loop in ("cached", "uncached"):
-        stats = r[loop]
-        if stats["flops_counted"] is None:
-            continue
-        counted, formula = stats["flops_counted"], stats["flops_formula"]
-        steps = format_count(stats["flops_sampled_steps"], "sampled step")
-        ratio = stats["flops_ratio"]
-        verdict = (
-            "equal"
-            if counted == formula
-            else f"{ratio:.4f}x the formula"
-            if ratio is not None
-            else "the formula counts none"
-        )
-        lines.append(
-            f"  {loop}: FLOPs counted (FlopCounterMode, {steps}) {format_int(counted)} vs "
-            f"formula {format_int(formula)}: {verdict}"
-        )
-    return lines
-
-
-def format_table(r: dict[str, Any]) -> str:
-    """The summary as a small table for a terminal."""
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.2f} ms"
-
-    def tps(v: float | None) -> str:
-        return "-" if v is None else f"{v:,.1f}"
-
-    def seconds_ms(v: float | None) -> str:
-        return "-" if v is None else ms(v * 1e3)
-
-    def both(key: str, show: Callable[[float | None], str]) -> tuple[str, str]:
-        return show(r["cached"][key]), show(r["uncached"][key])
-
-    rows = [
-        ("", "cached", "uncached"),
-        (
-            "tokens/s" + (", each sequence" if r["batch"] > 1 else ""),
-            *both("tokens_per_s_per_sequence", tps),
-        ),
-        ("time to first token", *both("ttft_s", seconds_ms)),
-        ("time per later token", *both("tpot_s", seconds_ms)),
-        ("positions/s, first step", *both("first_step_positions_per_s", tps)),
-        ("positions/s, later steps", *both("later_step_positions_per_s", tps)),
-        ("step p50", ms(r["cached"]["step_ms_p50"]), ms(r["uncached"]["step_ms_p50"])),
-        (
-            "step, first quartile",
-            ms(r["cached"]["step_ms_first_quartile"]),
-            ms(r["uncached"]["step_ms_first_quartile"]),
-        ),
-        (
-            "step, last quartile",
-            ms(r["cached"]["step_ms_last_quartile"]),
-            ms(r["uncached"]["step_ms_last_quartile"]),
-        ),
-        ("positions computed", *(format_int(r[k] or 0) for k in ("work_cached", "work_uncached"))),
-    ]
-    if r["batch"] > 1:
-        rows.insert(2, ("tokens/s, all sequences", *both("tokens_per_s_total", tps)))
-    if r["served_by"]:  # positions are the server's: not observed over HTTP
-        rows = [row for row in rows if not row[0].startswith("positions")]
-    width = max(len(row[0]) for row in rows)
-    lines = [
-        f"{r['model']} on {r['device']} ({r['dtype']}"
-        + (f", {format_count(r['threads'], 'thread')}" if r["threads"] else "")
-        + "), "
-        f"{r['prompt_tokens']} prompt + {r['tokens']} tokens"
-        + (f", a batch of {r['batch']} sequences" if r["batch"] > 1 else "")
-    ]
-    if r["timing"] != "measured":
-        lines.append(f"  every time and rate below is {r['timing']}: arithmetic, not a measurement")
-    lines += [f"  {a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]
-    if r["first_divergence"] is not None:
-        lines.append(f"  tokens: DIFFER from step {r['first_divergence']}")
-    elif r["compared_tokens"]:
-        lines.append(f"  tokens: identical over the {format_int(r['compared_tokens'])} both made")
-    else:
-        lines.append("  tokens: nothing to compare (a loop made none)")
-    if r["speedup_wall"] and r["work_ratio"]:
-        lines.append(
-            f"  speedup: {format_ratio(r['speedup_wall'])} {r['timing']}, "
-            f"{format_ratio(r['work_ratio'])} in positions computed"
-        )
-    lines += _served_lines(r) if r["served_by"] else _kv_lines(r) + _trick_lines(r)
-    if r["achieved_bandwidth_bytes_per_s"]:
-        peak = r["peak_bandwidth_bytes_per_s"]
-        lines.append(
-            f"  cached step reads {format_bandwidth(r['achieved_bandwidth_bytes_per_s'])}"
-            + ("" if r["timing"] == "measured" else " (modelled)")
-            + (f" of {format_bandwidth(peak)} peak" if peak else "")
-            + (f", {r['flops_per_byte']:.2f} FLOPs per byte" if r["flops_per_byte"] else "")
-            + (
-                f" (ridge {r['ridge_flops_per_byte']:.0f})"
-                if r["flops_per_byte"] and r["ridge_flops_per_byte"]
-                else ""
-            )
-        )
-    lines += _flops_lines(r)
-    lines += [f"  {m}" for m in r["messages"]]
-    lines.append(f"  text: {r['text'][:200]!r}")
-    return safe_text("\n".join(lines))  # names, messages and text may come from a file
-
-
-def format_sweep(sweep: dict[str, Any]) -> str:
-    """A sweep as a table for a terminal: one line per batch size."""
-    runs = sweep["sweep"]
-    first = runs[0]
-
-    def num(v: float | None, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1e3:.2f} ms"
-
-    header = (
-        "batch",
-        "tok/s/seq",
-        "tok/s total",
-        "step (TPOT)",
-        "uncached tok/s",
-        "KV filled",
-        "FLOPs/byte",
-    )
-    rows = [
-        (
-            str(r["batch"]),
-            num(r["cached"]["tokens_per_s_per_sequence"], ",.1f"),
-            num(r["cached"]["tokens_per_s_total"], ",.1f"),
-            ms(r["cached"]["tpot_s"]),
-            num(r["uncached"]["tokens_per_s_total"], ",.1f"),
-            "-" if r["kv_bytes_filled"] is None else format_bytes(r["kv_bytes_filled"]),
-            num(r["flops_per_byte"], ".2f"),
-        )
-        for r in runs
-    ]
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    lines = [
-        f"{first['model']} on {first['device']} ({first['dtype']}"
-        + (f", {format_count(first['threads'], 'thread')}" if first["threads"] else "")
-        + f"), {first['prompt_tokens']} prompt + {first['tokens']} tokens per sequence"
-    ]
-    if first["timing"] != "measured":
-        lines.append(f"  every time and rate below is {first['timing']}: arithmetic")
-    lines += [
-        "  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
-        for row in (header, *rows)
-    ]
-    lines.append(
-        "  cached loop: tok/s, TPOT (a step after the prefill), FLOPs/byte (their mean); "
-        "uncached: tok/s total"
-    )
-    ridge = first["ridge_flops_per_byte"]
-    if ridge is not None:
-        lines.append(f"  ridge point: {ridge:.0f} FLOPs per byte ({first['ridge_source']})")
-    else:
-        lines.append(f"  ridge point: {first['ridge_source'] or 'unknown'}")
-    for r in runs:
-        lines += [f"  batch {r['batch']}: {m}" for m in r["messages"]]
-    return safe_text("\n".join(lines))

@@ -20,6 +20,7 @@ not since the server started.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -116,6 +117,12 @@ class ServerWatch:
         if poll.kv_usage is not None:
             self.peak_usage = max(self.peak_usage, poll.kv_usage)
             self.usage.append((poll.seconds, poll.kv_usage))
+
+    def snapshot(self) -> ServerWatch:
+        """A copy that later polls leave as it is (the polls themselves are frozen)."""
+        copied = copy.copy(self)
+        copied.usage = deque(self.usage, maxlen=self.usage.maxlen)
+        return copied
 
     @property
     def answering(self) -> bool:

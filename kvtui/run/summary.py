@@ -15,13 +15,15 @@ worked out in one place:
 
 Counts are the whole batch's, as the protocol's: `batch` B sequences' positions, FLOPs and bytes;
 `positions_cumulative` alone is per sequence (the lesson's staircase). Each step is kept as six
-numbers in arrays (48 bytes), so a run of MAX_TOKENS steps a loop stays a few MiB.
+numbers in columns (48 bytes), so a run of MAX_TOKENS steps a loop stays a few MiB; a `snapshot`
+of the fold, the screens' copy, shares them as views (kvtui.run.columns) and costs no more at the
+run's end than at its start.
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
-from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -35,10 +37,12 @@ from kvtui.engines.protocol import (
     ServerMetrics,
     StepSample,
 )
+from kvtui.run.columns import Column
 from kvtui.run.serving import ServerWatch
 from kvtui.sim.catalog import ModelSpec
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
-from kvtui.sim.tricks import positions_held
+from kvtui.sim.pool import KVPool
+from kvtui.sim.tricks import positions_held, tokens_before_full
 
 RECENT_STEPS = 64
 """Later steps whose bandwidth `LoopSummary.recent_bandwidth_bytes_per_s` takes the median of."""
@@ -52,21 +56,21 @@ class LoopSummary:
     loop: Loop
     batch: int = 1
     """Sequences each step's counts cover."""
-    token_ids: array[int] = field(default_factory=lambda: array("q"))
+    token_ids: Column[int] = field(default_factory=lambda: Column("q"))
     """Row 0's token of each step."""
-    step_seconds: array[float] = field(default_factory=lambda: array("d"))
-    seconds_cumulative: array[float] = field(default_factory=lambda: array("d"))
+    step_seconds: Column[float] = field(default_factory=lambda: Column("d"))
+    seconds_cumulative: Column[float] = field(default_factory=lambda: Column("d"))
     """Seconds after each step, summed from the first."""
-    positions_cumulative: array[int] = field(default_factory=lambda: array("q"))
+    positions_cumulative: Column[int] = field(default_factory=lambda: Column("q"))
     """Positions computed after each step, summed from the first, per sequence (the engine's
     count over the batch, divided by it)."""
     positions_computed: int = 0
     """Positions computed over every step, every sequence's."""
     first_positions: int = 0
     """Positions the first step computed, every sequence's: the prompt (a prefill, cached)."""
-    bandwidth: array[float] = field(default_factory=lambda: array("d"))
+    bandwidth: Column[float] = field(default_factory=lambda: Column("d"))
     """Bytes read by the formula per measured second, of each timed step after the first."""
-    intensity: array[float] = field(default_factory=lambda: array("d"))
+    intensity: Column[float] = field(default_factory=lambda: Column("d"))
     """FLOPs per byte read, both by the formula, of each step after the first that reads."""
     flops_counted: int | None = None
     """FLOPs torch's FlopCounterMode counted, summed over the sampled steps (None: none was)."""
@@ -79,7 +83,7 @@ class LoopSummary:
     def add(self, sample: StepSample, batch: int = 1) -> None:
         """Fold one step of this loop in (`batch`: sequences each of its counts covers)."""
         self.batch = batch
-        later = bool(self.step_seconds)
+        later = self.last is not None
         self.token_ids.append(sample.token_id)
         self.step_seconds.append(sample.step_seconds)
         self.seconds_cumulative.append(self.seconds_total + sample.step_seconds)
@@ -99,6 +103,18 @@ class LoopSummary:
             self.flops_sampled_steps += 1
         self.last = sample
 
+    def snapshot(self) -> LoopSummary:
+        """A read-only copy that later steps leave as it is, whatever the run's length: each
+        column a view of its steps so far (kvtui.run.columns), the events shared (frozen)."""
+        copied = copy.copy(self)
+        copied.token_ids = self.token_ids.snapshot()
+        copied.step_seconds = self.step_seconds.snapshot()
+        copied.seconds_cumulative = self.seconds_cumulative.snapshot()
+        copied.positions_cumulative = self.positions_cumulative.snapshot()
+        copied.bandwidth = self.bandwidth.snapshot()
+        copied.intensity = self.intensity.snapshot()
+        return copied
+
     # --- steps and time ------------------------------------------------------------------------
 
     @property
@@ -112,10 +128,7 @@ class LoopSummary:
     @property
     def last_positions(self) -> int:
         """Positions the newest step computed, per sequence."""
-        n = len(self.positions_cumulative)
-        if n == 0:
-            return 0
-        return self.positions_cumulative[-1] - (self.positions_cumulative[-2] if n > 1 else 0)
+        return self.last.positions_computed // self.batch if self.last is not None else 0
 
     @property
     def ttft_s(self) -> float | None:
@@ -243,6 +256,12 @@ class LoopSummary:
         return self.last.kv_bytes_allocated if self.last is not None else None
 
     @property
+    def kv_bytes_per_position(self) -> int | None:
+        """Keys and values of one position of one sequence, every layer, as the loop's end
+        measured them from its cache's tensors; None before it ends, or without a cache."""
+        return self.finished.kv_bytes_per_position if self.finished is not None else None
+
+    @property
     def cached_positions(self) -> int:
         """Positions each sequence's cache holds after the newest step: every one before the new
         token (its own keys and values are written when it is fed back in, at the next step)."""
@@ -284,6 +303,13 @@ class RunSummary:
             self.failure = event.message
         elif isinstance(event, ServerMetrics):
             self.server.add(event)
+
+    def snapshot(self) -> RunSummary:
+        """A copy that later events leave as it is (each loop's `snapshot`, the server's)."""
+        copied = copy.copy(self)
+        copied.loops = {name: loop.snapshot() for name, loop in self.loops.items()}
+        copied.server = self.server.snapshot()
+        return copied
 
     def _compare(self) -> None:
         """Compare the tokens of the steps both loops have newly made (each step once)."""
@@ -337,6 +363,51 @@ class RunSummary:
         uncached = self.loops["uncached"].seconds_cumulative[n - 1]
         cached = self.loops["cached"].seconds_cumulative[n - 1]
         return uncached / cached if cached > 0 and uncached > 0 else None
+
+    @property
+    def last_quartile_ratio(self) -> float | None:
+        """Uncached over cached median step time over each loop's last quarter of steps: how
+        far apart the loops' steps have grown by the end."""
+        uncached = self.loops["uncached"].step_seconds_last_quartile
+        cached = self.loops["cached"].step_seconds_last_quartile
+        return uncached / cached if uncached and cached else None
+
+    @property
+    def messages(self) -> list[str]:
+        """What the loops said as they ended (the cached loop's first), each message once."""
+        ends = (self.loops["cached"].finished, self.loops["uncached"].finished)
+        return list(dict.fromkeys(f.message for f in ends if f is not None and f.message))
+
+    # --- the KV pool ---------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> KVPool | None:
+        """The engine's KV pool, as its start said; None before the start, or for an engine
+        without a pool (`hf:`)."""
+        started = self.started
+        if started is None or started.kv_capacity_bytes is None or not started.kv_block_tokens:
+            return None
+        return KVPool(
+            started.kv_capacity_bytes, started.kv_block_tokens, started.kv_bytes_per_token
+        )
+
+    @property
+    def tokens_before_full(self) -> int | None:
+        """Tokens the cached loop generates before the pool is full, predicted in the run's
+        layout (kvtui.sim.tricks); None without a pool, or where it never fills."""
+        pool, started = self.pool, self.started
+        if pool is None or started is None:
+            return None
+        return tokens_before_full(pool, started.layout, started.prompt_tokens, started.batch)
+
+    def kv_blocks_allocated(self, loop: Loop = "cached") -> int | None:
+        """Whole blocks a loop's cache holds: its allocated bytes over a block's; None before a
+        step, or for an engine that keeps no blocks."""
+        started, allocated = self.started, self.loops[loop].kv_bytes_allocated
+        if started is None or allocated is None or not started.kv_block_tokens:
+            return None
+        block_bytes = started.kv_block_tokens * started.kv_bytes_per_token
+        return allocated // block_bytes if block_bytes else None
 
     # --- the KV cache against its formula ------------------------------------------------------
 

@@ -5,6 +5,8 @@ and values are 2 x 2 x 1 x 4 x 4 = 64 bytes. Step times are powers of two, so th
 rate below is exact in floating point.
 """
 
+import copy
+import dataclasses
 import json
 from dataclasses import replace
 
@@ -17,10 +19,13 @@ from kvtui.engines.protocol import (
     RunFinished,
     RunSettings,
     RunStarted,
+    ServerMetrics,
     StepSample,
 )
 from kvtui.engines.replay import RecordWriter
-from kvtui.reports.bench import format_table, run_bench
+from kvtui.reports.bench import run_bench
+from kvtui.reports.bench_text import format_table
+from kvtui.run.columns import MAX_POINTS, Column
 from kvtui.run.live import LiveRun
 from kvtui.run.summary import RunSummary, summarize_events, windowed_spec
 from kvtui.sim.catalog import ModelSpec
@@ -210,6 +215,27 @@ def test_kv_bytes_against_the_formula_without_windows():
     assert s.loop("uncached").kv_bytes_filled == 0
 
 
+def test_the_pool_blocks_stop_and_messages_are_the_folds():
+    """The figures `kvtui bench` once worked out beside the fold: the pool of the run's start,
+    where it stops the cached loop, the blocks held, the loops' messages and step-time ratio."""
+    events = run(tokens=5, batch=2)
+    events[6] = RunFinished("cached", "out_of_memory", 5, "the KV cache is full")
+    events[-1] = RunFinished("uncached", "done", 5, "the KV cache is full")
+    s = summarize_events(events)
+    assert s.pool is not None and (s.pool.blocks, s.pool.block_tokens) == (16, 4)
+    # 16 blocks of 4 slots, 8 blocks a sequence: 32 positions, the prompt's 3, then 30 tokens
+    assert s.tokens_before_full == 30
+    assert s.kv_blocks_allocated() == 4  # 7 positions of each sequence: 2 blocks each
+    assert s.kv_blocks_allocated("uncached") == 0
+    assert s.messages == ["the KV cache is full"]  # said by both loops, listed once
+    assert s.last_quartile_ratio == 0.5 / 0.25
+    assert s.loop("cached").kv_bytes_per_position is None  # its end measured no tensors
+    empty = RunSummary()
+    assert empty.pool is None and empty.tokens_before_full is None
+    assert empty.kv_blocks_allocated() is None and empty.messages == []
+    assert empty.last_quartile_ratio is None
+
+
 def test_the_end_of_a_loop_measures_the_cache():
     events = run(tokens=3)
     events[4] = RunFinished("cached", "done", 3, kv_bytes_allocated=512, kv_bytes_filled=320)
@@ -318,6 +344,57 @@ def test_live_run_reads_the_same_figures():
     trace = live.loop("uncached")
     assert list(trace.positions_cumulative) == [3, 7, 12, 18, 25] and trace.last_positions == 7
     assert trace.text == "ababa" and trace.positions.values == [3, 4, 5, 6, 7]
+
+
+def _shown(live: LiveRun) -> dict:
+    """Everything a screen can read of a live run, field by field (LiveRun compares by identity)."""
+    return {f.name: getattr(live, f.name) for f in dataclasses.fields(live) if f.compare}
+
+
+def test_a_snapshot_is_the_run_as_it_was_whatever_is_folded_after():
+    """The screens' copy shares what the fold never changes and views its columns, where it was
+    a deep copy: the events folded after it leave it as a deep copy taken at the same moment,
+    past a series' downsampling (MAX_POINTS) and with a server's polls."""
+    tokens = MAX_POINTS + 100
+    events = run(tokens=tokens, batch=2)
+    events.insert(1, ServerMetrics(0.5, kv_usage=0.25))
+    half = 2 + tokens + 1 + tokens // 2  # the cached loop ended, the uncached one halfway
+    live = LiveRun(RunSettings(batch=2))
+    for event in events[:half]:
+        live.apply(event)
+    snapshot, deep = live.snapshot(), copy.deepcopy(live)
+    for event in events[half:]:
+        live.apply(event)
+    live.apply(ServerMetrics(1.0, kv_usage=0.5))
+    assert _shown(snapshot) == _shown(deep) != _shown(live)
+    uncached = snapshot.loop("uncached")
+    assert uncached.steps == tokens // 2 < live.loop("uncached").steps
+    assert len(uncached.positions.steps) <= MAX_POINTS + 1
+    assert list(uncached.positions_cumulative) == list(deep.loop("uncached").positions_cumulative)
+    assert snapshot.state == "running" and live.state == "done"
+    assert list(snapshot.summary.server.usage) == [(0.5, 0.25)]
+    with pytest.raises(RuntimeError):
+        snapshot.apply(events[-1])
+    with pytest.raises(RuntimeError):
+        snapshot.summary.loop("uncached").step_seconds.append(1.0)
+
+
+def test_a_column_view_shows_its_items_as_they_were():
+    column: Column[int] = Column("q", [1, 2, 3])
+    view = column.snapshot()
+    for i in range(4, 100):
+        column.append(i)  # the array outgrows its buffer: the view's items move with it
+    assert len(view) == 3 and list(view) == [1, 2, 3] == view.tolist()
+    assert view[-1] == 3 and view[0] == 1 and view[-3] == 1
+    assert list(view[1:]) == [2, 3] and list(view[-2:]) == [2, 3] and list(view[::-1]) == [3, 2, 1]
+    assert list(view[5:]) == [] and list(view[2:1]) == []
+    for outside in (3, -4):
+        with pytest.raises(IndexError):
+            view[outside]
+    assert view == Column("q", [1, 2, 3]) != column and column[-1] == 99 and len(column) == 99
+    own = copy.deepcopy(view)  # a column of its own: appending to it changes neither
+    own.append(4)
+    assert list(own) == [1, 2, 3, 4] and len(view) == 3 and len(column) == 99
 
 
 def test_bench_reports_counted_flops_beside_the_formula(tmp_path):

@@ -100,7 +100,8 @@ async def test_a_killed_engine_process_is_reported_and_r_starts_another():
         await wait_for(pilot, lambda: app.live.loop("cached").steps > 0)
         first = app.engine.pid
         os.kill(first, signal.SIGKILL)
-        await wait_for(pilot, lambda: app.live.state == "failed")
+        # the screens' copy (live_run), which the header draws: it follows `live` a message later
+        await wait_for(pilot, lambda: app.live_run.state == "failed")
         app.screen.redraw_now()
         assert "killed by signal 9" in screen_text(app).splitlines()[0]
         assert any("signal 9" in m and "Press r" in m for m in notifications(seen))

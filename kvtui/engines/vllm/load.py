@@ -244,6 +244,13 @@ def run_load(
                 i, issued = issued, issued + 1
             one(i)
 
+    def halt() -> None:
+        """No new request, and every open stream closed: each worker then ends."""
+        stop.set()
+        with lock:
+            for stream in list(streams):
+                stream.close()
+
     threads = [
         threading.Thread(target=worker, name=f"kvtui-load-{n}", daemon=True)
         for n in range(plan.concurrency)
@@ -255,10 +262,7 @@ def run_load(
             if time.monotonic() >= deadline or stop.is_set():
                 if not stop.is_set():
                     result.ended = "time limit"
-                stop.set()
-                with lock:
-                    for stream in list(streams):
-                        stream.close()
+                halt()
             for thread in threads:
                 thread.join(timeout=1.0 / len(threads))
             with lock:
@@ -267,10 +271,7 @@ def run_load(
             progress(result, open_)
     except KeyboardInterrupt:
         result.ended = "stopped"
-        stop.set()
-        with lock:
-            for stream in list(streams):
-                stream.close()
+        halt()
         for thread in threads:
             thread.join(timeout=2.0)
     result.seconds = time.monotonic() - start
