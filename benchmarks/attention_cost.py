@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from th
 import torch  # noqa: E402
 
 from kvtui.engines.attention import ATTENTION_PER_SECOND  # noqa: E402
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine  # noqa: E402
 from kvtui.engines.protocol import RunSettings, StepSample
-from kvtui.engines.schedule import run_events
 
 SETTINGS = {"off": 0.0, "on": ATTENTION_PER_SECOND, "every step": math.inf}
 

@@ -17,9 +17,9 @@ import statistics
 import sys
 import time
 
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunSettings, StepSample
-from kvtui.engines.schedule import run_events
 from kvtui.run.live import LiveRun
 
 

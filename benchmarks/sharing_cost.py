@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from th
 
 import torch  # noqa: E402
 
+from kvtui.engines.drive import TURN_SECONDS, Schedule, run_events
 from kvtui.engines.factory import open_engine  # noqa: E402
 from kvtui.engines.protocol import RunSettings, StepSample
-from kvtui.engines.schedule import TURN_SECONDS, Schedule, run_events
 
 SINCE_CAP = 10
 """Cached steps since the last uncached one are counted up to this (10 means 10 or more)."""

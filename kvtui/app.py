@@ -3,7 +3,7 @@
 The engine runs in a process of its own (kvtui.run.process), so the UI never imports torch and a
 busy UI cannot slow the steps it measures. The App owns every engine process through `engines`
 (its run's, and screen 4's race's, which that screen is handed). A thread worker reads the run's
-engine with the one reader (kvtui.run.reader), which hands it the events in batches, at most
+engine with the one reader (kvtui.run.process), which hands it the events in batches, at most
 RUN_UPDATES_PER_SECOND a second; the App folds them into its `LiveRun` and, once for a burst
 (`RunChanged` coalesces), sets `live_run` to a read-only snapshot that the screens follow with
 `data_bind`: they redraw when it changes, and nothing a screen draws is written by it.
@@ -34,7 +34,7 @@ from kvtui.format import safe_text
 from kvtui.options import THEMES, UsageError
 from kvtui.reports.table import TableProcess
 from kvtui.run.live import LiveRun
-from kvtui.run.reader import EngineFactory, EngineHandle
+from kvtui.run.process import EngineFactory, EngineHandle
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step, longest_run
 from kvtui.screens.cache import CacheScreen
 from kvtui.screens.memory import MemoryScreen

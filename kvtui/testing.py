@@ -3,7 +3,7 @@
 The design card names three users of kvtui; the third is a developer driving its screens in a
 headless test. This module is their kit, and kvtui's own screen tests use it:
 
-- `ScriptedEngine`: the app's `EngineHandle` contract (kvtui.run.reader: start, events, pause,
+- `ScriptedEngine`: the app's `EngineHandle` contract (kvtui.run.process: start, events, pause,
   resume, stop, close, alive) in this process, no child process. Its events come from a list
   (synthetic steps), from a record `kvtui bench --record FILE` wrote
   (`ScriptedEngine.from_record`), or from a `sim:` or `replay:` engine run here as fast as it can
@@ -49,11 +49,11 @@ from textual.notifications import Notify
 from textual.pilot import Pilot
 
 from kvtui.app import KVApp, make_app
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine, parse_engine, recorded_start
 from kvtui.engines.protocol import Event, RunFailed, RunSettings, StepSource
-from kvtui.engines.schedule import run_events
 from kvtui.reports.table import InProcessTable
-from kvtui.run.reader import EngineFactory, EngineHandle
+from kvtui.run.process import EngineFactory, EngineHandle
 from kvtui.screens.base import LessonScreen
 from kvtui.screens.tricks import TableFactory
 from kvtui.widgets.cards import StatCard
@@ -112,7 +112,7 @@ def refuse_torch(settings: RunSettings) -> None:
 
 
 class ScriptedEngine:
-    """An engine handle (the contract of `kvtui.run.reader.EngineHandle`) that hands the app a
+    """An engine handle (the contract of `kvtui.run.process.EngineHandle`) that hands the app a
     scripted run's events, in this process.
 
     `ScriptedEngine(events, settings=...)` plays a list (or any iterable) of events as they are;
@@ -163,7 +163,7 @@ class ScriptedEngine:
     @classmethod
     def from_settings(cls, settings: RunSettings, **hooks: Any) -> ScriptedEngine:
         """The engine `settings.engine` names, run in this process: `sim:MODEL@GPU` (modelled
-        steps) or `replay:FILE` (a recorded run), through `kvtui.engines.schedule.run_events` as
+        steps) or `replay:FILE` (a recorded run), through `kvtui.engines.drive.run_events` as
         the engine's own process would, but with `replay_speed` 0 (as fast as it can, not at the
         recorded or modelled pace). ValueError for a torch engine (see `refuse_torch`);
         `kvtui.engines.protocol.EngineError` (a ValueError) for settings the engine refuses.

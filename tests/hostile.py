@@ -28,10 +28,10 @@ from typing import Any
 from hypothesis import strategies as st
 
 from kvtui.cli import main
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunSettings, to_json
 from kvtui.engines.replay import FORMAT, VERSION
-from kvtui.engines.schedule import run_events
 from tests.test_hostile_inputs import outcome
 
 SIM = RunSettings(engine="sim:gpt2@t4", tokens=3, replay_speed=0)

@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 import kvtui.engines.replay as replay_module
 import kvtui.sim.hf_config as hf_config_module
 from kvtui.cli import main
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunSettings, to_json
 from kvtui.engines.replay import FORMAT, VERSION
-from kvtui.engines.schedule import run_events
 
 SIM = RunSettings(engine="sim:gpt2@t4", tokens=3, replay_speed=0)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvtui.cli import main
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunFailed, RunFinished, RunSettings, StepSample
-from kvtui.engines.schedule import run_events
 from kvtui.format import format_int, format_ratio
 from kvtui.sim.work import cached_cumulative, naive_cumulative
 from kvtui.testing import ScriptedEngine, headless, refuse_torch

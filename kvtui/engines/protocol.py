@@ -1,7 +1,7 @@
 """The engine protocol: what a decode engine is and the records it emits. No UI, no torch.
 
 A `StepSource` (the torch `tiny` model, a `shape:` or `hf:` model, the roofline `sim:` engine, a
-`replay:` file) turns `RunSettings` into a stream of events, and `kvtui.engines.schedule.run_events`
+`replay:` file) turns `RunSettings` into a stream of events, and `kvtui.engines.drive.run_events`
 drives any of them:
 one `RunStarted`, then `StepSample`s of one or both loops, then one `RunFinished` per loop.
 Screens and `kvtui bench` only ever see these records, so they never care which engine produced
@@ -26,6 +26,7 @@ with their `batch`), and B sequences' KV cache.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
@@ -484,6 +485,32 @@ def event_from_json(data: dict[str, Any]) -> Event:
         return cls(**values)
     except TypeError as exc:
         raise ValueError(f"malformed {what}: {exc}") from exc
+
+
+class RunControl:
+    """Pause and stop, set from another thread, honoured between steps."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._running.set()
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def wait_while_paused(self) -> None:
+        self._running.wait()
 
 
 # --- what an engine is -------------------------------------------------------------------------

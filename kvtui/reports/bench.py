@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import check_run, open_engine
 from kvtui.engines.protocol import (
     Event,
@@ -43,7 +44,6 @@ from kvtui.engines.protocol import (
     StepSample,
 )
 from kvtui.engines.replay import RecordWriter
-from kvtui.engines.schedule import run_events
 from kvtui.errors import EngineError
 from kvtui.run.summary import LoopSummary, RunSummary
 from kvtui.sim.tricks import QUALITY_BYTES

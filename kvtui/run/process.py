@@ -2,7 +2,7 @@
 
 A torch decode thread and a Textual UI in one process fight for the GIL: in a trial on a 2-core
 machine decode fell from ~330 to ~157 tokens/s and the 99th-percentile step rose to 65 ms. So the
-engine runs as `python -m kvtui.engines.child`: the parent writes the `RunSettings` as one JSON
+engine runs as `python -m kvtui.engines.drive`: the parent writes the `RunSettings` as one JSON
 line on the child's stdin, then `pause`, `resume` or `stop` lines; the child writes each event as
 one JSON line on its stdout. A CUDA failure stays in the child.
 (`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
@@ -22,14 +22,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import (
@@ -40,7 +42,7 @@ from kvtui.engines.protocol import (
 )
 from kvtui.engines.vllm.load import LoadPlan
 from kvtui.format import safe_text
-from kvtui.run.reader import EngineFactory, EngineHandle, read_engine
+from kvtui.run.live import RUN_UPDATES_PER_SECOND
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 """The kvtui package this module belongs to: the child imports this one, whatever is installed."""
@@ -58,7 +60,7 @@ spec.loader.exec_module(kvtui)
 {main}
 """
 
-ENGINE_MAIN = "from kvtui.engines.child import child_main\nraise SystemExit(child_main())"
+ENGINE_MAIN = "from kvtui.engines.drive import child_main\nraise SystemExit(child_main())"
 """What the engine's child runs, once kvtui is imported."""
 WARM_ENGINE_MAIN = ENGINE_MAIN.replace("child_main()", "child_main(warm=True)")
 """What a spare engine child runs (`WarmChild`): a torch engine made ready before its settings."""
@@ -213,7 +215,7 @@ class Engines:
         *,
         name: str = "kvtui-engine-pipe",
     ) -> bool:
-        """Read an engine this made with the one reader (`kvtui.run.reader.read_engine`: start
+        """Read an engine this made with the one reader (`kvtui.run.process.read_engine`: start
         it, hand on its events in batches until it ends or `stopped()`, close it), then forget
         it. True if its stream ended, False if stopped."""
         try:
@@ -416,3 +418,85 @@ class LoadProcess:
 
 MAX_OUTPUT_BYTES = 2**20
 """The most of a load process's output read back."""
+
+
+# --- the one reader ------------------------------------------------------------------------------
+
+BATCH_INTERVAL_S = 1 / RUN_UPDATES_PER_SECOND
+"""The reader hands on at most one batch of events per this many seconds, and checks `stopped` at
+least this often."""
+
+
+class EngineHandle(Protocol):
+    """A running engine as the app sees it (`kvtui.run.process.EngineProcess` is one;
+    `kvtui.testing.ScriptedEngine` another): start it, read its events, pause, resume, stop and
+    close it."""
+
+    def start(self) -> None: ...
+    def events(self) -> Iterator[Event]: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def stop(self) -> None: ...
+    def close(self, timeout: float = 1.0) -> None: ...
+    @property
+    def alive(self) -> bool: ...
+
+
+EngineFactory = Callable[[RunSettings], EngineHandle]
+"""What makes a run's engine from its settings (`kvtui.run.process.Engines`, in the app)."""
+
+_END = object()
+"""The helper thread's last item: the engine's stream has ended."""
+
+
+def read_engine(
+    engine: EngineHandle,
+    report: Callable[[list[Event]], None],
+    stopped: Callable[[], bool],
+    *,
+    name: str = "kvtui-engine-pipe",
+) -> bool:
+    """Start `engine`, then hand its events to `report` in batches until its stream ends or
+    `stopped()` says to stop (checked at least every BATCH_INTERVAL_S; what arrived since the last
+    batch is then dropped); then close it, however the read ended (`start` raising included).
+    True if the stream ended (the engine is done, or its process exited), False if stopped.
+
+    A helper thread (`name`) blocks on the engine's stream and feeds a queue, so this loop wakes
+    every BATCH_INTERVAL_S to check `stopped` and to hand on what has arrived: a batch at most
+    every BATCH_INTERVAL_S, and the last one at once. A stream that breaks ends with a `RunFailed`
+    that says so."""
+    inbox: queue.Queue[object] = queue.Queue()
+
+    def pump() -> None:
+        try:
+            for event in engine.events():
+                inbox.put(event)
+        except Exception as exc:  # the pipe broke: say so as the run's failure
+            inbox.put(RunFailed(f"engine stream broke: {exc}"))
+        finally:
+            inbox.put(_END)
+
+    try:
+        engine.start()
+        threading.Thread(target=pump, name=name, daemon=True).start()
+        pending: list[Event] = []
+        last_report = 0.0
+        ended = False
+        while not ended and not stopped():
+            try:
+                item = inbox.get(timeout=BATCH_INTERVAL_S)
+                while True:
+                    if item is _END:
+                        ended = True
+                        break
+                    pending.append(item)  # type: ignore[arg-type]
+                    item = inbox.get_nowait()
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if pending and (ended or now - last_report >= BATCH_INTERVAL_S):
+                report(pending)
+                pending, last_report = [], now
+        return ended
+    finally:
+        engine.close(timeout=1.0)

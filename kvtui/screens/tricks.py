@@ -8,7 +8,7 @@ engines, each its own process, each its own pool of the same budget, their bars 
 own rates, the plain one turning red and stopping first while the trick goes on. The race is
 another run, not another reader: its engines are made by the App's one owner of engine processes
 (kvtui.run.process.Engines, handed to this screen) and read, each in a worker of this screen's,
-by the one reader (kvtui.run.reader), whose batches the worker posts back. The table's process
+by the one reader (kvtui.run.process), whose batches the worker posts back. The table's process
 speaks another protocol (a line per row, a few a minute): a worker posts each line as it comes.
 """
 
@@ -35,7 +35,7 @@ from kvtui.engines.protocol import Event, RunSettings
 from kvtui.format import format_bytes, format_int, safe_text
 from kvtui.reports.table import TABLE_ROWS, TABLE_SINKS, TABLE_TOKENS, TABLE_WINDOW, default_budget
 from kvtui.run.live import LiveRun
-from kvtui.run.reader import EngineHandle
+from kvtui.run.process import EngineHandle
 from kvtui.screens.base import LessonScreen
 from kvtui.sim.tricks import references
 from kvtui.widgets.pool_line import PoolLine

@@ -15,6 +15,7 @@ from kvtui.engines.attention import (
     Attention,
     spans_for,
 )
+from kvtui.engines.drive import run_events
 from kvtui.engines.protocol import (
     LOOPS,
     MAX_PROGRESS_CHARS,
@@ -24,7 +25,6 @@ from kvtui.engines.protocol import (
     event_from_json,
     to_json,
 )
-from kvtui.engines.schedule import run_events
 from kvtui.engines.torch_engine import DecoderEngine
 from kvtui.gpu.load import spec_from_args
 from kvtui.gpu.model import ModelArgs, Transformer

@@ -22,10 +22,10 @@ from kvtui.engines.capabilities import (
     TRANSFORMERS,
     Capabilities,
 )
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine, parse_engine
 from kvtui.engines.protocol import RunSettings, RunStarted, event_from_json, to_json
 from kvtui.engines.replay import RecordWriter, read_record
-from kvtui.engines.schedule import run_events
 from kvtui.paths import asset_path
 from kvtui.run.live import LiveRun
 from kvtui.run.process import EngineProcess, runs_torch

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvtui.engines import torch_engine
+from kvtui.engines.drive import TURN_SECONDS, run_events
 from kvtui.engines.factory import open_engine
-from kvtui.engines.protocol import RunFinished, RunSettings, RunStarted, StepSample
-from kvtui.engines.schedule import TURN_SECONDS, RunControl, run_events
+from kvtui.engines.protocol import RunControl, RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.errors import EngineError
 from kvtui.gpu import device, load
 from kvtui.sim.memory import kv_bytes

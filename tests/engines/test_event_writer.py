@@ -4,7 +4,7 @@ import json
 import os
 import select
 
-from kvtui.engines.child import EventWriter
+from kvtui.engines.drive import EventWriter
 from kvtui.engines.protocol import RunProgress, StepSample, event_from_json
 
 

@@ -178,9 +178,9 @@ def test_budget_reads_the_same_config_as_the_engine(saved, capsys):
 
 
 def test_steps_carry_the_engine_protocol_fields(saved):
+    from kvtui.engines.drive import run_events
     from kvtui.engines.factory import open_engine
     from kvtui.engines.protocol import RunFinished, RunSettings, RunStarted, StepSample
-    from kvtui.engines.schedule import run_events
 
     directory, _, _ = saved
     settings = RunSettings(engine=f"hf:{directory}", device="cpu", tokens=4, greedy=True)

@@ -9,16 +9,17 @@ from dataclasses import replace
 
 import pytest
 
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import (
     FLOP_COUNTER_PHRASE,
+    RunControl,
     RunFailed,
     RunSettings,
     RunStarted,
     StepSample,
 )
 from kvtui.engines.replay import RecordWriter, read_record
-from kvtui.engines.schedule import RunControl, run_events
 from kvtui.errors import EngineError
 from kvtui.run.process import EngineProcess, Engines
 from kvtui.sim.catalog import get_gpu, get_model
@@ -302,7 +303,7 @@ def test_engine_process_pause_and_resume():
 
 def test_child_rejects_bad_settings():
     out = subprocess.run(
-        [sys.executable, "-m", "kvtui.engines.child"],
+        [sys.executable, "-m", "kvtui.engines.drive"],
         input="not json\n",
         capture_output=True,
         text=True,

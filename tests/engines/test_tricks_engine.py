@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from kvtui.cli import main
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import check_run, open_engine
 from kvtui.engines.protocol import (
     RunFinished,
@@ -18,7 +19,6 @@ from kvtui.engines.protocol import (
     event_from_json,
     to_json,
 )
-from kvtui.engines.schedule import run_events
 from kvtui.errors import EngineError
 from kvtui.reports.table import TABLE_ROWS, TableProcess
 from kvtui.run.summary import summarize_events

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvtui.engines.drive import run_events
 from kvtui.engines.protocol import Event, RunSettings, RunStarted, StepSample
 from kvtui.engines.roofline import MODELLED
-from kvtui.engines.schedule import run_events
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes_per_token, weights_bytes
 from kvtui.sim.pool import kv_capacity

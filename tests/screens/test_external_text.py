@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from textual.content import Content
 
 from kvtui.app import make_app
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunFailed, RunFinished, RunStarted
-from kvtui.engines.schedule import run_events
 from kvtui.testing import ScriptedEngine
 
 SIZE = (200, 50)

@@ -11,9 +11,9 @@ from textual import events
 from textual.widgets import Static
 
 from kvtui.app import make_app
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunSettings
-from kvtui.engines.schedule import run_events
 from kvtui.screens.memory import MemoryScreen
 from kvtui.sim.budget import budget
 from kvtui.sim.catalog import get_gpu, get_model, gpu_names, model_names

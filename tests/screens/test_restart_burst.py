@@ -12,8 +12,8 @@ from conftest import PROBE, SETTINGS, wait_for
 from textual import events
 
 from kvtui.app import make_app
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
-from kvtui.engines.schedule import run_events
 
 SIZE = (100, 30)
 CLOSE_SECONDS = 0.2

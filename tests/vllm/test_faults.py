@@ -15,9 +15,9 @@ import pytest
 
 from kvtui.app import make_app
 from kvtui.cli import main
+from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
-from kvtui.engines.protocol import RunFinished, RunSettings, ServerMetrics, StepSample
-from kvtui.engines.schedule import RunControl, run_events
+from kvtui.engines.protocol import RunControl, RunFinished, RunSettings, ServerMetrics, StepSample
 from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.load import FILL_WAVES, MAX_CONCURRENCY, fill_plan
 from kvtui.testing import NO_GPU_PROBE, drive, headless, screen_text, wait_for

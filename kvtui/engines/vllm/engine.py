@@ -41,13 +41,13 @@ from typing import Any
 from kvtui.engines.capabilities import SERVED
 from kvtui.engines.protocol import (
     Loop,
+    RunControl,
     RunFinished,
     RunSettings,
     RunStarted,
     ServerMetrics,
     StepSample,
 )
-from kvtui.engines.schedule import RunControl
 from kvtui.engines.vllm.client import MAX_JSON_BYTES, Server, ServerError, ServerURL
 from kvtui.engines.vllm.metrics import MAX_METRICS_BYTES, MetricsError, server_metrics
 from kvtui.errors import EngineError

@@ -1,8 +1,11 @@
-"""The engine's own process, the child side, without a UI: the `RunSettings` read as one JSON line
-on stdin, then `pause`, `resume` or `stop` lines; every event written as one JSON line on stdout
-(kvtui.run.process starts it and reads it). A CUDA failure, a crash, a refusal: each ends as one
-`RunFailed` line, never a traceback on the app's terminal.
-"""
+"""What drives an engine, without a UI: `run_events`, the loop that turns an engine's steps into
+one run's events (one `RunStarted`, the steps of one loop or both in turns of TURN_SECONDS of
+their measured time, a `RunFinished` per loop), paused and stopped by a `RunControl` between
+steps; and the engine's own process (`child_main`, started by kvtui.run.process), which reads its
+`RunSettings` as one JSON line on stdin, then `pause`, `resume` or `stop` lines, and writes every
+event as one JSON line on stdout. A CUDA failure, a crash, a refusal: each ends as one `RunFailed`
+line, never a traceback on the app's terminal. `kvtui bench` and kvtui.testing call `run_events`
+in their own process."""
 
 from __future__ import annotations
 
@@ -10,22 +13,101 @@ import contextlib
 import json
 import sys
 import threading
-from collections.abc import Callable
-from typing import IO
+from collections.abc import Callable, Iterator
+from typing import IO, Literal
 
 from kvtui.engines.protocol import (
     FLOP_COUNTER_PHRASE,
     MAX_PROGRESS_CHARS,
     Event,
+    Loop,
+    RunControl,
     RunFailed,
+    RunFinished,
     RunProgress,
     RunSettings,
+    ServerMetrics,
     StepSample,
+    StepSource,
     to_json,
 )
-from kvtui.engines.schedule import RunControl
 from kvtui.errors import EngineError
 from kvtui.format import safe_text
+
+Schedule = Literal["fair", "sequential"]
+
+TURN_SECONDS = 0.05
+"""Under the fair schedule, the measured step time a loop spends before the other may take the
+engine. A step that runs right after the other loop's has its caches evicted: in turns of one
+step, the tiny model's first cached step after an uncached one took 1.6-1.9x its warm time, and
+the cached loop ran 1.1-1.2x slower over a run (benchmarks/sharing_cost.py), which measured the
+sharing, not the loop. A twentieth of a second keeps both streams moving in every frame the app
+draws (10 a second)."""
+
+
+def run_events(
+    engine: StepSource,
+    settings: RunSettings,
+    control: RunControl | None = None,
+    *,
+    schedule: Schedule = "fair",
+    watch: bool = False,
+    turn_seconds: float = TURN_SECONDS,
+) -> Iterator[Event]:
+    """Every event of a run: started, steps, one finished per loop; a served engine's
+    `ServerMetrics` as they come. With `watch`, an engine that can (`vllm:`, its `watch`) goes on
+    sending its server's metrics after its loops end, until the run is stopped (the app's engine
+    process watches; `kvtui bench` does not).
+
+    `fair`: the loops share the engine's time, each turn going to the loop that has spent the
+    least measured step time so far, for `turn_seconds` of it (at least one step); so the cached
+    loop, whose steps are short, races ahead and finishes while the uncached one is still
+    climbing its staircase, as two requests served side by side would. Each step's own time is
+    measured alone either way: steps never overlap.
+    `sequential`: each loop runs to its end before the next starts (`kvtui bench`).
+    """
+    control = control or RunControl()
+    yield engine.started()
+    iterators = {loop: engine.steps(loop) for loop in settings.loops}
+    counts = dict.fromkeys(iterators, 0)
+    spent = dict.fromkeys(iterators, 0.0)
+    turn: Loop = "cached"
+    turn_ends = 0.0  # the spent time at which `turn` hands the engine on (none has it yet)
+    try:
+        while iterators:
+            if schedule == "sequential":
+                loop = next(iter(iterators))
+            else:
+                if turn not in iterators or spent[turn] >= turn_ends:
+                    turn = min(iterators, key=spent.__getitem__)
+                    turn_ends = spent[turn] + turn_seconds
+                loop = turn
+            control.wait_while_paused()
+            if control.stopped:
+                for left in list(iterators):
+                    iterators.pop(left).close()
+                    yield RunFinished(left, "cancelled", counts[left], "stopped")
+                return
+            event = next(iterators[loop], None)
+            if isinstance(event, ServerMetrics):
+                yield event
+                continue
+            if isinstance(event, StepSample):
+                counts[loop] += 1
+                spent[loop] += max(0.0, event.step_seconds)
+                yield event
+                continue
+            iterators.pop(loop).close()
+            yield event if event is not None else RunFinished(loop, "done", counts[loop])
+        keep_watching = getattr(engine, "watch", None) if watch else None
+        if keep_watching is not None:
+            yield from keep_watching(control)
+    finally:
+        for iterator in iterators.values():
+            iterator.close()
+
+
+# --- the engine's own process --------------------------------------------------------------------
 
 
 def _read_commands(control: RunControl) -> None:
@@ -116,7 +198,6 @@ def child_main(warm: bool = False) -> int:
 
 def _run_child(emit: Callable[[Event], None], warm: bool) -> int:
     from kvtui.engines.factory import open_engine
-    from kvtui.engines.schedule import run_events
 
     def progress(phrase: str) -> None:
         emit(RunProgress(safe_text(phrase, one_line=True)[:MAX_PROGRESS_CHARS]))

@@ -1,4 +1,4 @@
-"""The one reader (kvtui.run.reader) and the one owner of engines (kvtui.run.process.Engines),
+"""The one reader (kvtui.run.process) and the one owner of engines (kvtui.run.process.Engines),
 without a UI: a burst of events is handed on in a few batches at a bounded rate, the reader always
 closes its engine, and the owner ends every engine still open."""
 
@@ -10,8 +10,7 @@ import time
 import pytest
 
 from kvtui.engines.protocol import RunFailed, RunSettings
-from kvtui.run.process import Engines
-from kvtui.run.reader import BATCH_INTERVAL_S, read_engine
+from kvtui.run.process import BATCH_INTERVAL_S, Engines, read_engine
 from kvtui.testing import ScriptedEngine
 
 SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=200, replay_speed=0)

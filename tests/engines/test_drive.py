@@ -1,7 +1,7 @@
 """How `run_events` shares one engine between the loops: turns of measured time, not of steps."""
 
+from kvtui.engines.drive import run_events
 from kvtui.engines.protocol import RunFinished, RunSettings, RunStarted, StepSample
-from kvtui.engines.schedule import run_events
 
 SETTINGS = RunSettings(engine="tiny", device="cpu", tokens=6, loops=("uncached", "cached"))
 
