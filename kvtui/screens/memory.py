@@ -10,13 +10,17 @@ process this screen starts and ends).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from rich.text import Text
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.events import Resize
+from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Static
 from textual_plotext.plot import Plot
@@ -47,7 +51,7 @@ from kvtui.sim.memory import kv_bytes
 from kvtui.sim.parallel import shard
 from kvtui.sim.pool import step_budget
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Caption, Chart, fitting_ticks, nice_ticks, sample_points
+from kvtui.widgets.chart import Caption, Chart, capacity_ticks, nice_ticks, sample_points
 from kvtui.widgets.live_pool import NO_POOL_WORDS, live_pool_bar, live_words, pool_words
 from kvtui.widgets.plain import plain
 from kvtui.widgets.served import ServedCache
@@ -72,19 +76,6 @@ def fine_step(context: int) -> int:
     if context < 128_000:
         return 4_000
     return 16_000
-
-
-def capacity_ticks(top: float, capacity: float, rows: int) -> tuple[list[float], list[str]]:
-    """The y axis's ticks (GiB) with the GPU's capacity among them, labelled with its own value,
-    so the capacity line is named on the row it is drawn on; nice ticks that would share or
-    crowd that row (within two: plotext's rows are rounded) make way."""
-
-    def row(value: float) -> int:
-        return round(value / top * (rows - 1)) if top > 0 else 0
-
-    ticks = [t for t in fitting_ticks(top, 4, rows) if abs(row(t) - row(capacity)) > 2]
-    ticks = sorted([*ticks, capacity])
-    return ticks, [f"{format_tick(t)} GiB" for t in ticks]
 
 
 MEMORY_CAPTION = (
@@ -484,13 +475,9 @@ class MemoryScreen(LessonScreen):
             spec = parse_engine(engine)
         except EngineError:
             return
-        if spec.model_dir is not None and not self._model_chosen:
-            with contextlib.suppress(ConfigError, OSError):
-                self._own_model = model_from_hf_config(spec.model_dir / "config.json")
-                self.tp = 1
-                self.model = self._own_model.name
-                self.kv_dtype = serving_dtypes(self._own_model.default_dtype)[1]
-                self.context = min(self.context, self._own_model.max_context)
+        if spec.model_dir is not None:
+            if not self._model_chosen:
+                self._read_own_model(spec.model_dir / "config.json")
             return
         # The tiny model would fill 1% of any GPU: the what-if starts from the catalog model
         # the room knows (LESSON_BUDGET's) instead; shape: and sim: from their own model.
@@ -505,6 +492,23 @@ class MemoryScreen(LessonScreen):
         if spec.gpu and not self._gpu_chosen and self.device_gpu is None:  # sim:'s GPU
             with contextlib.suppress(UnknownNameError):
                 self.gpu = get_gpu(spec.gpu).name
+
+    @work(thread=True, exclusive=True, group="own-model", exit_on_error=False)
+    def _read_own_model(self, config: Path) -> None:
+        """An hf: run's own model for the what-if, read off the UI thread (`OwnModelRead`)."""
+        with contextlib.suppress(ConfigError, OSError):
+            self.post_message(self.OwnModelRead(model_from_hf_config(config)))
+
+    @dataclass
+    class OwnModelRead(Message, bubble=False):
+        model: ModelSpec
+
+    @on(OwnModelRead)
+    def _own_model_read(self, message: OwnModelRead) -> None:
+        if not self._model_chosen:
+            self._own_model, self.tp, self.model = message.model, 1, message.model.name
+            self.kv_dtype = serving_dtypes(message.model.default_dtype)[1]
+            self.context = min(self.context, message.model.max_context)
 
     def _gpu_why(self, *, short: bool = False) -> str:
         """Why the what-if budgets this GPU, in a few words (fewer, if `short`)."""

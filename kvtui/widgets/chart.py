@@ -22,6 +22,8 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 from textual_plotext.plot import Plot
 
+from kvtui.format import format_tick
+
 RGB = tuple[int, int, int]
 
 SERIES: dict[str, tuple[str, float]] = {
@@ -334,3 +336,16 @@ def fitting_ticks(top: float, count: int, rows: int, bottom: float = 0.0) -> lis
         if len(ticks) <= most:
             return ticks
     return ticks[:: -(-len(ticks) // most)]
+
+
+def capacity_ticks(top: float, capacity: float, rows: int) -> tuple[list[float], list[str]]:
+    """The y axis's ticks (GiB) with the GPU's capacity among them, labelled with its own value,
+    so the capacity line is named on the row it is drawn on; nice ticks that would share or
+    crowd that row (within two: plotext's rows are rounded) make way."""
+
+    def row(value: float) -> int:
+        return round(value / top * (rows - 1)) if top > 0 else 0
+
+    ticks = [t for t in fitting_ticks(top, 4, rows) if abs(row(t) - row(capacity)) > 2]
+    ticks = sorted([*ticks, capacity])
+    return ticks, [f"{format_tick(t)} GiB" for t in ticks]

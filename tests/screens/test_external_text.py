@@ -105,6 +105,8 @@ async def test_a_model_folder_named_in_markup_shows_as_named(tmp_path):
     )
     async with app.run_test(size=(140, 42)) as pilot:
         await wait_for(pilot, lambda: app.live.state == "done")
+        # The what-if reads the model's config.json off the UI thread: wait until it follows it.
+        await wait_for(pilot, lambda: "(modelled): [$nope][@click=app.quit]x" in screen_text(app))
         await pilot.press("plus", "plus", "plus", "plus", "plus", "plus")  # past its 256 positions
         await pilot.pause()
         shown = screen_text(app)
