@@ -397,22 +397,9 @@ class TableProcess:
         self._stderr: Any = None
 
     def start(self) -> None:
-        import subprocess
-        import tempfile
+        from kvtui.run.process import absolute_paths, spawn_child
 
-        from kvtui.run.process import CHILD_CWD, absolute_paths, child_command
-
-        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            child_command(TABLE_MAIN),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            encoding="utf-8",
-            cwd=CHILD_CWD,
-            start_new_session=True,
-        )
+        self._proc, self._stderr = spawn_child(TABLE_MAIN)
         try:
             self._proc.stdin.write(json.dumps(absolute_paths(self.settings).to_json()) + "\n")
             self._proc.stdin.close()

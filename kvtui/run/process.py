@@ -106,11 +106,13 @@ def absolute_paths(settings: RunSettings) -> RunSettings:
     return replace(settings, engine=spec.with_path(spec.path.absolute()))
 
 
-def _spawn(*, warm: bool) -> tuple[subprocess.Popen[str], IO[str]]:
-    """An engine's child process, and the file its stderr goes to."""
+def spawn_child(main: str) -> tuple[subprocess.Popen[str], IO[str]]:
+    """A child process running `main` (`child_command`): text pipes on its stdin and stdout, its
+    stderr to a file (returned with it, for the last words of a child that dies), in CHILD_CWD
+    and a session of its own. An engine's (`ENGINE_MAIN`) and the tricks table's."""
     stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8")  # noqa: SIM115
     proc = subprocess.Popen(
-        child_command(WARM_ENGINE_MAIN if warm else ENGINE_MAIN),
+        child_command(main),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=stderr,
@@ -129,7 +131,7 @@ class WarmChild:
     its stdin. `EngineProcess` adopts it for the next run."""
 
     def __init__(self) -> None:
-        self.proc, self.stderr = _spawn(warm=True)
+        self.proc, self.stderr = spawn_child(WARM_ENGINE_MAIN)
 
     @property
     def alive(self) -> bool:
@@ -262,7 +264,7 @@ class EngineProcess:
         else:
             if spare is not None:
                 spare.close()
-            self._proc, self._stderr = _spawn(warm=False)
+            self._proc, self._stderr = spawn_child(ENGINE_MAIN)
         self._send(json.dumps(absolute_paths(self.settings).to_json()))
 
     @property
