@@ -33,6 +33,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,7 +41,7 @@ from kvtui.engines.protocol import RunSettings
 from kvtui.errors import EngineError
 from kvtui.format import error_line, safe_text
 from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, positive_int
-from kvtui.run.process import CHILD_CWD, absolute_paths
+from kvtui.run.process import CHILD_CWD, absolute_paths, child_command
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -106,13 +107,18 @@ class _Recorder:
         return action
 
 
+APP_MAIN = "from kvtui.cli import main\nraise SystemExit(main())"
+"""What each tab's process runs, once kvtui is imported: the app, with the options after it."""
+
+
 def app_argv(args: argparse.Namespace) -> list[str]:
-    """`python -I -m kvtui` with every app option that differs from its default, as given; paths
-    made absolute, since each tab's app runs isolated (`-I`: no current directory on its import
-    path, no PYTHON* variables) from the file system's root."""
+    """The app's command (`kvtui.run.process.child_command`: isolated, `-I`, no current directory
+    on its import path, no PYTHON* variables, and kvtui imported from this very package, as the
+    engine's child does, not whichever kvtui is installed) with every app option that differs
+    from its default, as given; paths made absolute, since it runs from the file system's root."""
     recorder = _Recorder()
     add_run_options(recorder, app=True)
-    argv = [sys.executable, "-I", "-m", "kvtui"]
+    argv = child_command(APP_MAIN)
     for action in recorder.actions:
         value = getattr(args, action.dest)
         if value == action.default:
@@ -324,14 +330,30 @@ class Session:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -> Any:
-    """A textual-serve Server for `command` on the bound `sockets`, with kvtui's limits.
+PAGES = Path(__file__).parent / "templates"
+"""kvtui's page (app_index.html): textual-serve's, its intro made the title card (moving, large)
+and its web font left out: the page says what it is at once, offline too."""
+
+
+def make_server(
+    command: str,
+    sockets: list[socket.socket],
+    max_sessions: int,
+    *,
+    present: bool = False,
+    theme: str = "dark",
+) -> Any:
+    """A textual-serve Server for `command` on the bound `sockets`, with kvtui's limits; its page
+    shows the title card until the app draws (presenter mode's sentence too, if `present`), in
+    `theme`'s colours.
 
     The classes are made here because textual-serve is an optional extra and slow to import."""
     import aiohttp_jinja2
     from aiohttp import WSCloseCode, web
     from textual_serve.app_service import AppService
     from textual_serve.server import Server, to_int
+
+    from kvtui.bigtext import IDEA, SUBTITLE, TITLE
 
     class AppProcess(AppService):
         """textual-serve's app process, started without a shell in a session of its own (so a
@@ -369,7 +391,7 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
         """Serves `command`, one session per tab, at most `max_sessions` at once."""
 
         def __init__(self) -> None:
-            super().__init__(command, title="kvtui")
+            super().__init__(command, title="kvtui", templates_path=str(PAGES))
             self.sockets = sockets
             self.max_sessions = max_sessions
             self.sessions: set[Session] = set()
@@ -412,6 +434,12 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
                 "app_websocket_url": "ws" + base.removeprefix("http") + "/ws",
                 "config": {"static": {"url": f"{base}/static/"}},
                 "application": {"name": self.title},
+                "kvtui": {
+                    "name": TITLE,
+                    "subtitle": SUBTITLE,
+                    "idea": IDEA if present else "",
+                    "body_class": "kvtui-light" if theme == "light" else "",
+                },
             }
             return aiohttp_jinja2.render_template("app_index.html", request, context)
 
@@ -565,7 +593,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     command = app_command(args)
-    server = make_server(command, sockets, args.max_sessions)
+    server = make_server(
+        command, sockets, args.max_sessions, present=args.present, theme=args.theme
+    )
     install_log(sys.stderr)
 
     def on_ready() -> None:

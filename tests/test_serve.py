@@ -22,6 +22,8 @@ import pytest
 
 from kvtui import serve
 from kvtui.cli import build_parser, main
+from kvtui.run.process import child_command
+from kvtui.serve import APP_MAIN
 
 ENGINE = "sim:llama-3.1-8b@h100"
 
@@ -139,9 +141,10 @@ def test_each_tab_runs_the_app_with_the_options_given(made, capsys):
     code, _, _ = run(capsys, "serve", "--port", str(free_port()), "--max-sessions", "1", *options)
     assert code == 0
     argv = shlex.split(made[0].command)
-    # isolated from the server's directory, in kvtui's order, no defaults
-    assert argv == [sys.executable, "-I", "-m", "kvtui", *options]
-    served = build_parser().parse_args(argv[4:])
+    # isolated from the server's directory, this very kvtui, in kvtui's order, no defaults
+    app = child_command(APP_MAIN)
+    assert argv == [*app, *options] and app[:3] == [sys.executable, "-I", "-u"]
+    served = build_parser().parse_args(argv[len(app) :])
     given = build_parser().parse_args(["serve", *options])
     for name, value in vars(served).items():
         if name != "command":

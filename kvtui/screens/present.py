@@ -161,6 +161,8 @@ class PresentScreen(LessonScreen):
         self._room_pool = False
         """Node 3 asked for a KV pool sized for the room (the others ask for the default)."""
         self._ticks = 0
+        self._drawn: Reveal | None = None
+        """How far the last redraw showed the node (a tick redraws until it shows all of it)."""
 
     def compose_body(self) -> ComposeResult:
         yield TitleCard(id="present-card")
@@ -217,7 +219,7 @@ class PresentScreen(LessonScreen):
         self._ticks += 1
         if self.run.state == "starting":
             self._show_status()
-        if NODES[self.node].live and not self._reveal().done:
+        if NODES[self.node].live and self._reveal() != self._drawn:
             self.mark_dirty()
 
     # --- keys --------------------------------------------------------------------------------
@@ -341,6 +343,7 @@ class PresentScreen(LessonScreen):
     def redraw(self) -> None:
         node, run = NODES[self.node], self.run
         shown = self._reveal()
+        self._drawn = shown
         self._show_status()
         if node.part == "staircase":
             self._draw_staircase(shown)
