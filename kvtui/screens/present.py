@@ -46,7 +46,7 @@ from kvtui.widgets.cache_grid import CacheGrid, fit
 from kvtui.widgets.note import Note
 from kvtui.widgets.plain import plain
 from kvtui.widgets.slides import Lane, Race, Staircase, TallBar
-from kvtui.widgets.vram import Bar, Part, VramBar, whatif_bar
+from kvtui.widgets.vram import Bar, Part, whatif_bar
 
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 TICK_S = 1 / 12
@@ -177,7 +177,7 @@ class PresentScreen(LessonScreen):
                 with Horizontal(id="present-pool-row"):
                     yield Static(id="present-weights")
                     yield TallBar(id="present-pool")
-                yield VramBar(id="present-lesson")
+                yield TallBar(id="present-lesson")
                 yield CacheGrid(CachePicture("cached"), id="present-grid")
             with Vertical(id="present-figures"):
                 for _ in range(max(len(node.figures) for node in NODES)):
@@ -326,8 +326,12 @@ class PresentScreen(LessonScreen):
             return fit([f"{who}: {run.status_line()}", run.status_line(True)], width)
         shown = self._reveal()
         loop = "uncached" if node.part == "staircase" else "cached"
-        k, n = shown.of(loop), run.loop(loop).steps
-        pace = "all shown" if shown.done else f"step {k:,} of {n:,}"
+        k, measured = shown.of(loop), run.loop(loop).steps
+        live = run.pool() if node.part == "memory" else None
+        total = (live.stops_at if live is not None else None) or run.run_tokens
+        pace = "all shown" if shown.done else f"step {k:,} of {total:,}"
+        if not shown.done and run.loop(loop).finished is None:
+            pace += f" ({measured:,} measured so far)"
         how = run.how or "not yet run"
         return fit(
             [
@@ -426,7 +430,7 @@ class PresentScreen(LessonScreen):
     def _draw_memory(self, shown: Reveal) -> None:
         self._draw_grid(shown)
         run, started, live = self.run, self.run.started, self.run.pool()
-        pool_bar = self.query_one(TallBar)
+        pool_bar = self.query_one("#present-pool", TallBar)
         weights = self.query_one("#present-weights", Static)
         if started is None or live is None:
             words = "once the engine starts" if started is None else "no KV pool in this run"
@@ -464,13 +468,14 @@ class PresentScreen(LessonScreen):
         wanted = (b.weights_bytes_per_gpu, b.kv_bytes_per_gpu, b.reserve_bytes, b.free_bytes)
         share = f"{format_bytes(b.kv_bytes)} of {format_bytes(b.vram_bytes)}"
         verdict = f"{share} = {format_percent(b.kv_fraction_of_vram)}: {b.status.upper()}"
-        self.query_one("#present-lesson", VramBar).show(
+        self.query_one("#present-lesson", TallBar).show(
             whatif_bar(vram_split(b), (wanted[0], wanted[1], wanted[2], max(0, wanted[3]))),
             [
                 f"THE LESSON (formula): {b.model_label}, {b.batch} x {b.context_tokens:,} "
                 f"tokens on an {b.gpu_label}",
                 f"THE LESSON: {b.model_label}, {b.batch} x {b.context_tokens:,} tokens",
-                "THE LESSON (formula)",
+                f"THE LESSON: {b.model_label}",
+                "THE LESSON",
             ],
             [f"KV {verdict}", verdict, format_percent(b.kv_fraction_of_vram)],
         )

@@ -203,20 +203,27 @@ def _seconds(seconds: float) -> str:
 
 class TallBar(VramBar):
     """A `VramBar` whose bar takes every row of its box but the legend's, its parts named on the
-    middle row."""
+    middle row; a legend too wide for the bar in any of its wordings is left out (the bar's
+    border says the figures that matter), never cut."""
 
     def render(self) -> RenderableType:
         drawn = super().render()
         if not isinstance(drawn, Text) or "\n" not in drawn.plain:
             return drawn
         bar, legend = drawn.split("\n", allow_blank=True)[:2]
-        rows = max(1, self.content_size.height - 1)
+        width = self.content_size.width
+        if legend.cell_len > width:
+            legend = Text("")
+        rows = max(1, self.content_size.height - (1 if legend.plain else 0))
         unnamed = Text(
             "".join(ch if ch in "▒ " else " " for ch in bar.plain), spans=list(bar.spans)
         )
         text = Text(no_wrap=True, end="")
         for row in range(rows):
+            if row:
+                text.append("\n")
             text.append_text(bar if row == (rows - 1) // 2 else unnamed)
+        if legend.plain:
             text.append("\n")
-        text.append_text(legend)
+            text.append_text(legend)
         return text

@@ -144,7 +144,7 @@ async def test_node_3_sizes_a_pool_the_run_fills_and_the_bar_turns_red_at_the_pr
         assert pool.steps == 16  # measured: the cached loop stopped at the predicted token
         assert labels(slide)[2] == ("FULL AT TOKEN", "16")
         assert slide.figures[2].caption.endswith("the formula said 16")
-        bar = run.app.screen.query_one(TallBar)
+        bar = run.app.screen.query_one("#present-pool", TallBar)
         assert bar.red and bar.has_class("-overflow")
         assert bar.bar is not None
         free = [p.bytes for p in bar.bar.parts if p.look == "free"]
