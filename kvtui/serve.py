@@ -45,6 +45,7 @@ from kvtui.run.process import CHILD_CWD, absolute_paths, child_command
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+PAGES = Path(__file__).parent / "templates"
 DEFAULT_MAX_SESSIONS = 4
 """Tabs served at once; each one is an app process and a decode engine process."""
 
@@ -108,14 +109,13 @@ class _Recorder:
 
 
 APP_MAIN = "from kvtui.cli import main\nraise SystemExit(main())"
-"""What each tab's process runs, once kvtui is imported: the app, with the options after it."""
+"""What each tab's process runs, once kvtui is imported: the app, its options after it."""
 
 
 def app_argv(args: argparse.Namespace) -> list[str]:
-    """The app's command (`kvtui.run.process.child_command`: isolated, `-I`, no current directory
-    on its import path, no PYTHON* variables, and kvtui imported from this very package, as the
-    engine's child does, not whichever kvtui is installed) with every app option that differs
-    from its default, as given; paths made absolute, since it runs from the file system's root."""
+    """`child_command` (isolated, `-I`, kvtui imported from this very package, not whichever is
+    installed) with every app option that differs from its default, as given; paths made
+    absolute, since each tab's app runs from the file system's root."""
     recorder = _Recorder()
     add_run_options(recorder, app=True)
     argv = child_command(APP_MAIN)
@@ -330,30 +330,15 @@ class Session:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-PAGES = Path(__file__).parent / "templates"
-"""kvtui's page (app_index.html): textual-serve's, its intro made the title card (moving, large)
-and its web font left out: the page says what it is at once, offline too."""
-
-
-def make_server(
-    command: str,
-    sockets: list[socket.socket],
-    max_sessions: int,
-    *,
-    present: bool = False,
-    theme: str = "dark",
-) -> Any:
+def make_server(command: str, sockets: list[socket.socket], max_sessions: int, **page: str) -> Any:
     """A textual-serve Server for `command` on the bound `sockets`, with kvtui's limits; its page
-    shows the title card until the app draws (presenter mode's sentence too, if `present`), in
-    `theme`'s colours.
+    says `page`'s words (name, subtitle, idea; body_class: its colours) until the app draws.
 
     The classes are made here because textual-serve is an optional extra and slow to import."""
     import aiohttp_jinja2
     from aiohttp import WSCloseCode, web
     from textual_serve.app_service import AppService
     from textual_serve.server import Server, to_int
-
-    from kvtui.bigtext import IDEA, SUBTITLE, TITLE
 
     class AppProcess(AppService):
         """textual-serve's app process, started without a shell in a session of its own (so a
@@ -391,6 +376,7 @@ def make_server(
         """Serves `command`, one session per tab, at most `max_sessions` at once."""
 
         def __init__(self) -> None:
+            # kvtui's page: textual-serve's, its intro the title card (large, moving), no web font
             super().__init__(command, title="kvtui", templates_path=str(PAGES))
             self.sockets = sockets
             self.max_sessions = max_sessions
@@ -434,12 +420,7 @@ def make_server(
                 "app_websocket_url": "ws" + base.removeprefix("http") + "/ws",
                 "config": {"static": {"url": f"{base}/static/"}},
                 "application": {"name": self.title},
-                "kvtui": {
-                    "name": TITLE,
-                    "subtitle": SUBTITLE,
-                    "idea": IDEA if present else "",
-                    "body_class": "kvtui-light" if theme == "light" else "",
-                },
+                "kvtui": {"name": self.title} | page,
             }
             return aiohttp_jinja2.render_template("app_index.html", request, context)
 
@@ -593,9 +574,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     command = app_command(args)
-    server = make_server(
-        command, sockets, args.max_sessions, present=args.present, theme=args.theme
-    )
+    from kvtui.bigtext import IDEA, SUBTITLE, TITLE
+
+    words = {"name": TITLE, "subtitle": SUBTITLE, "idea": IDEA if args.present else ""}
+    light = {"body_class": "kvtui-light"} if args.theme == "light" else {}
+    server = make_server(command, sockets, args.max_sessions, **words, **light)
     install_log(sys.stderr)
 
     def on_ready() -> None:

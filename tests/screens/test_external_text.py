@@ -146,7 +146,7 @@ async def test_presenter_mode_shows_a_records_strings_as_written(text=TEXT):
         app.screen.redraw_now()
         await pilot.pause()
         shown = screen_text(app)
-        assert app.screen.query_one("#present-pool", TallBar).border_subtitle  # the bar's, in its border:
-        assert f"(k{MARKUP[0]} {MARKUP[1]} {MARKUP[2]}" in shown  # as written
+        assert app.screen.query_one("#present-pool", TallBar).border_subtitle
+        assert f"(k{MARKUP[0]} {MARKUP[1]} {MARKUP[2]}" in shown  # in the bar's border, as written
         assert f"m{MARKUP[0]} {MARKUP[1]}" in shown.splitlines()[-2]
         assert f"d{MARKUP[0]} {MARKUP[1]}" in shown.splitlines()[-2]
