@@ -41,7 +41,7 @@ class Staircase(Widget):
         height: 1fr;
     }
     Staircase > .stairs--step { color: $primary; }
-    Staircase > .stairs--newest { color: $accent; }
+    Staircase > .stairs--newest { color: $warning-darken-3; }
     Staircase > .stairs--axis { color: $text-muted; }
     """
 
@@ -132,7 +132,7 @@ class Race(Widget):
         height: auto;
         max-height: 10;
     }
-    Race > .race--done { color: $success; }
+    Race > .race--done { color: $text-success; }
     Race > .race--going { color: $primary; }
     Race > .race--left { color: $text-muted; }
     """

@@ -223,3 +223,24 @@ async def test_the_title_is_up_and_moving_while_the_engine_starts():
         line = run.app.screen.query_one("#present-status").render()
         await run.wait_for(lambda: run.app.screen.query_one("#present-status").render() != line)
         assert "starting" in str(run.app.screen.query_one("#present-status").render())
+
+
+@pytest.mark.parametrize("theme", ["dark", "light"])
+async def test_every_node_reads_on_both_themes(theme, quick_pace):
+    """Text 4.5:1 and graphics 3:1 (tests/screens/test_contrast.py's measure) on every node, all
+    of it shown: the title card, the staircase, the race (both lanes done), node 3's pool full
+    and red beside the lesson's bar, the closing answer; --theme light as --theme dark."""
+    from test_contrast import too_faint
+
+    faint: list[str] = []
+    async with headless(LESSON, present=True, size=(100, 30), theme=theme) as run:
+        await run.until_done()
+        faint += too_faint(run, f"{theme}, the title")
+        await run.press("space")
+        for node, presses in zip(NODES[1:], PRESSES, strict=True):
+            await run.press(*["space"] * (presses - 1))
+            await run.until_done()
+            await run.until_shown()
+            faint += too_faint(run, f"{theme}, {node.title}")
+            await run.press("space")
+    assert not faint, "\n".join(faint)
