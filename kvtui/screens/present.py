@@ -277,6 +277,14 @@ class PresentScreen(LessonScreen):
         self._paced_from = time.monotonic()
         app.action_restart()
 
+    def on_screen_suspend(self) -> None:
+        """Leaving presenter mode: the next run (r on another screen) asks for the engine's own
+        pool again, not the one sized for the room."""
+        app = self.app
+        if self._room_pool and isinstance(app, Reruns):
+            self._room_pool = False
+            app.kv_budget = None
+
     def _ask_for_pool(self) -> None:
         """Node 3: a pool the run fills within the node, once the run says what its pool is
         (not for a replay, which plays what was recorded, nor a run that already stops)."""

@@ -151,8 +151,19 @@ async def test_node_3_sizes_a_pool_the_run_fills_and_the_bar_turns_red_at_the_pr
         assert free == [0]  # full: nothing of the pool is free
         text = run.text()
         assert "FULL at token 16" in text and "= 29%: FITS" in text
+        await run.press("minus")  # a shorter context: it fits the same pool, the bar not red
+        await run.wait_for(lambda: run.app.live.settings.tokens == 12)
+        await run.until_done()
+        assert labels(await run.until_shown())[2] == ("FULL AT TOKEN", "FITS") and not bar.red
         await run.press("left", "left", "left", "left")  # node 2: the lesson's pool again
         await run.wait_for(lambda: run.app.live.settings.kv_budget_bytes is None)
+        await run.press("plus")  # 24 tokens again (12 fit any pool of whole 16-token blocks)
+        await run.wait_for(lambda: run.app.live.settings.tokens == 24)
+        await run.until_done()
+        await run.press("right", "right", "right", "right")  # node 3 again, then leave
+        await run.wait_for(lambda: run.app.kv_budget is not None)
+        await run.press("p")
+        assert run.app.kv_budget is None  # r elsewhere: the engine's own pool
 
 
 async def test_node_2_races_the_loops_on_their_measured_seconds_and_says_why_time_saves_less():
