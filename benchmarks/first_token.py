@@ -12,12 +12,19 @@ every few milliseconds for
   new run's first token;
 - the engine's own words while it starts, as the header shows them (each one once).
 
+`--present` measures presenter mode instead (`python -m kvtui --present --lesson`): the time to
+the title (the title slide's sentence on the pane: the card the command draws before the app
+has imported, then the app's first frame) and to the first movement (the title slide's waiting
+line showing a second frame of its spinner, or the engine's first figures), from the moment the
+command started.
+
 `--repo DIR` runs another checkout's kvtui with this Python (the one before a change, say), so a
 before/after comparison is taken in one run, interleaved. The machine is shared: quote medians of
-several repeats, and the CPU capability.
+several repeats, and the CPU capability. Figures are printed, never asserted.
 
     python benchmarks/first_token.py --repeats 3
     python benchmarks/first_token.py --repeats 3 --repo /path/to/other/checkout --json
+    python benchmarks/first_token.py --present --repeats 5 --size 160x48
 """
 
 from __future__ import annotations
@@ -39,6 +46,9 @@ TITLE = "1 · Without a cache"
 TOKENS = re.compile(r"─ ?\d[\d,]* tokens ─")
 """The token stream's subtitle once a token has arrived ("─ 1 tokens ─╯")."""
 STARTING = re.compile(r"starting the engine[^│]*")
+PRESENT_TITLE = "A real model decodes"
+"""The title slide's sentence, in words on every size (the name and subtitle are large type)."""
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
 
 class Pane:
@@ -119,6 +129,34 @@ def one(repo: Path, size: tuple[int, int], settle: float, timeout: float) -> dic
     }
 
 
+def one_present(repo: Path, size: tuple[int, int], timeout: float) -> dict[str, object]:
+    """Presenter mode from launch: when the title shows, and when something first moves (a
+    second frame of the waiting line's spinner, or the run's first figures on the title)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start_file = Path(tmp) / "start"
+        env = f"PYTHONPATH='{repo}'"
+        command = (
+            f"date +%s.%N > '{start_file}'; {env} exec '{sys.executable}' -m kvtui --present "
+            "--lesson --engine tiny --device cpu"
+        )
+        frames: set[str] = set()
+
+        def moved(text: str) -> bool:
+            frames.update(ch for ch in text if ch in SPINNER)
+            return len(frames) >= 2 or " · step " in text
+
+        said: list[tuple[float, str]] = []
+        with Pane(command, size, repo) as pane:
+            title = watch(pane, lambda t: PRESENT_TITLE in t, timeout, said)
+            movement = watch(pane, moved, timeout, said)
+            start = float(start_file.read_text())
+            pane.keys("q")
+    return {
+        "title_s": None if title is None else title - start,
+        "first_movement_s": None if movement is None else movement - start,
+    }
+
+
 def median(values: list[object]) -> float | None:
     numbers = [v for v in values if isinstance(v, float)]
     return statistics.median(numbers) if numbers else None
@@ -132,9 +170,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--repo", type=Path, action="append", help="checkouts to compare")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--present", action="store_true", help="presenter mode: time to title, first movement"
+    )
     args = parser.parse_args()
     width, height = (int(n) for n in args.size.split("x"))
     repos = [REPO, *(args.repo or [])]
+    if args.present:
+        return present_main(args, repos, (width, height))
     runs: dict[str, list[dict[str, object]]] = {str(r): [] for r in repos}
     for _ in range(args.repeats):
         for repo in repos:  # interleaved, so that the machine's drift hits each alike
@@ -169,6 +212,37 @@ def main() -> int:
             print(f"    {key:24} {'-' if value is None else f'{value:.2f} s'}")
         print(f"    said at launch: {r['said_at_launch']}")
         print(f"    said after l:   {r['said_after_l']}")
+    return 0
+
+
+def present_main(args: argparse.Namespace, repos: list[Path], size: tuple[int, int]) -> int:
+    runs: dict[str, list[dict[str, object]]] = {str(r): [] for r in repos}
+    for _ in range(args.repeats):
+        for repo in repos:
+            runs[str(repo)].append(one_present(repo, size, args.timeout))
+    import torch
+
+    keys = ("title_s", "first_movement_s")
+    result = {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "repeats": args.repeats,
+        "size": args.size,
+        "checkouts": {
+            repo: {key: median([r[key] for r in rows]) for key in keys}
+            | {f"{key}_all": [r[key] for r in rows] for key in keys}
+            for repo, rows in runs.items()
+        },
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"CPU {result['cpu_capability']}, presenter mode, {args.size}, median of {args.repeats}:")
+    for repo, r in result["checkouts"].items():
+        print(f"  {repo}")
+        for key in keys:
+            value, each = r[key], r[f"{key}_all"]
+            shown = ", ".join("-" if v is None else f"{v:.2f}" for v in each)
+            print(f"    {key:18} {'-' if value is None else f'{value:.2f} s'}  ({shown})")
     return 0
 
 

@@ -56,22 +56,91 @@ EXIT_INTERRUPTED = 130
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    """`kvtui` with no subcommand: open the Textual app (imported only now)."""
-    from kvtui.engines.factory import check_engine
-
-    settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
+    """`kvtui` with no subcommand: open the Textual app (imported only now). Presenter mode
+    puts its title card on the terminal first, moving, while the app imports (`TitleCard`)."""
+    card = TitleCard() if args.present and has_terminal() else None
     try:
-        check_engine(settings)
-    except EngineError as exc:
-        raise UsageError(f"kvtui: {exc}") from None
-    if not has_terminal():
-        raise UsageError(
-            "kvtui: the app needs a terminal; for output to a file or a pipe use "
-            "kvtui bench, work, budget, models or gpus (--json)"
-        )
-    from kvtui.app import run_app
+        from kvtui.engines.factory import check_engine
 
-    return int(run_app(settings, screen=args.screen, present=args.present, theme=args.theme) or 0)
+        settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
+        try:
+            check_engine(settings)
+        except EngineError as exc:
+            raise UsageError(f"kvtui: {exc}") from None
+        if not has_terminal():
+            raise UsageError(
+                "kvtui: the app needs a terminal; for output to a file or a pipe use "
+                "kvtui bench, work, budget, models or gpus (--json)"
+            )
+        from kvtui.app import run_app
+
+        if card is not None:
+            card.stop()  # before the app draws: one writer on the terminal at a time
+        code = run_app(settings, screen=args.screen, present=args.present, theme=args.theme)
+    finally:
+        if card is not None:
+            card.close()
+    return int(code or 0)
+
+
+class TitleCard:
+    """Presenter mode's title card (kvtui.bigtext.title_card, as the app's first frame draws
+    it) on the terminal where the app will draw, drawn before the app's imports and its waiting
+    line turning while they run (the better part of a second, longer on a busy machine): the
+    room sees the title, moving, within moments of launch. Not for `kvtui serve`'s web driver,
+    whose stream carries its own protocol, nor where stderr is no terminal."""
+
+    SHOW = "\x1b[?1049h\x1b[?25l\x1b[H\x1b[2J"
+    """The terminal's alternate screen (where the app draws), cursor hidden, cleared."""
+    LEAVE = "\x1b[?25h\x1b[?1049l"
+    SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+    TURN_S = 0.1
+
+    def __init__(self) -> None:
+        import threading
+
+        self.shown = "TEXTUAL_DRIVER" not in os.environ and sys.stderr.isatty()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if not self.shown:
+            return
+        from kvtui.bigtext import title_card
+
+        size = os.get_terminal_size(sys.stderr.fileno())
+        self._width, self._row = size.columns, size.lines - 1
+        lines = [
+            f"\x1b[1m{line.text}\x1b[0m" if line.kind in ("title", "subtitle") else line.text
+            for line in title_card(size.columns, size.lines)
+        ]
+        sys.stderr.write(self.SHOW + "\r\n".join(lines))
+        self._turn(0)
+        self._thread = threading.Thread(target=self._spin, name="kvtui-title", daemon=True)
+        self._thread.start()
+
+    def _turn(self, frame: int) -> None:
+        line = f"{self.SPINNER[frame % len(self.SPINNER)]} starting kvtui..."
+        sys.stderr.write(f"\x1b[{self._row};1H\x1b[2K{line.center(self._width).rstrip()}")
+        sys.stderr.flush()
+
+    def _spin(self) -> None:
+        frame = 0
+        while not self._stop.wait(self.TURN_S):
+            frame += 1
+            self._turn(frame)
+
+    def stop(self) -> None:
+        """Stop the waiting line (the card stays until the app's first frame covers it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stop, and leave the terminal as it was (the app leaves its screen so too; twice is
+        harmless)."""
+        self.stop()
+        if self.shown:
+            sys.stderr.write(self.LEAVE)
+            sys.stderr.flush()
 
 
 def has_terminal() -> bool:

@@ -33,6 +33,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,10 +41,11 @@ from kvtui.engines.protocol import RunSettings
 from kvtui.errors import EngineError
 from kvtui.format import error_line, safe_text
 from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, positive_int
-from kvtui.run.process import CHILD_CWD, absolute_paths
+from kvtui.run.process import CHILD_CWD, absolute_paths, child_command
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+PAGES = Path(__file__).parent / "templates"
 DEFAULT_MAX_SESSIONS = 4
 """Tabs served at once; each one is an app process and a decode engine process."""
 
@@ -106,13 +108,17 @@ class _Recorder:
         return action
 
 
+APP_MAIN = "from kvtui.cli import main\nraise SystemExit(main())"
+"""What each tab's process runs, once kvtui is imported: the app, its options after it."""
+
+
 def app_argv(args: argparse.Namespace) -> list[str]:
-    """`python -I -m kvtui` with every app option that differs from its default, as given; paths
-    made absolute, since each tab's app runs isolated (`-I`: no current directory on its import
-    path, no PYTHON* variables) from the file system's root."""
+    """`child_command` (isolated, `-I`, kvtui imported from this very package, not whichever is
+    installed) with every app option that differs from its default, as given; paths made
+    absolute, since each tab's app runs from the file system's root."""
     recorder = _Recorder()
     add_run_options(recorder, app=True)
-    argv = [sys.executable, "-I", "-m", "kvtui"]
+    argv = child_command(APP_MAIN)
     for action in recorder.actions:
         value = getattr(args, action.dest)
         if value == action.default:
@@ -324,8 +330,9 @@ class Session:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -> Any:
-    """A textual-serve Server for `command` on the bound `sockets`, with kvtui's limits.
+def make_server(command: str, sockets: list[socket.socket], max_sessions: int, **page: str) -> Any:
+    """A textual-serve Server for `command` on the bound `sockets`, with kvtui's limits; its page
+    says `page`'s words (name, subtitle, idea; body_class: its colours) until the app draws.
 
     The classes are made here because textual-serve is an optional extra and slow to import."""
     import aiohttp_jinja2
@@ -369,7 +376,8 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
         """Serves `command`, one session per tab, at most `max_sessions` at once."""
 
         def __init__(self) -> None:
-            super().__init__(command, title="kvtui")
+            # kvtui's page: textual-serve's, its intro the title card (large, moving), no web font
+            super().__init__(command, title="kvtui", templates_path=str(PAGES))
             self.sockets = sockets
             self.max_sessions = max_sessions
             self.sessions: set[Session] = set()
@@ -412,6 +420,7 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int) -
                 "app_websocket_url": "ws" + base.removeprefix("http") + "/ws",
                 "config": {"static": {"url": f"{base}/static/"}},
                 "application": {"name": self.title},
+                "kvtui": {"name": self.title} | page,
             }
             return aiohttp_jinja2.render_template("app_index.html", request, context)
 
@@ -565,7 +574,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     command = app_command(args)
-    server = make_server(command, sockets, args.max_sessions)
+    from kvtui.bigtext import IDEA, SUBTITLE, TITLE
+
+    words = {"name": TITLE, "subtitle": SUBTITLE, "idea": IDEA if args.present else ""}
+    light = {"body_class": "kvtui-light"} if args.theme == "light" else {}
+    server = make_server(command, sockets, args.max_sessions, **words, **light)
     install_log(sys.stderr)
 
     def on_ready() -> None:

@@ -11,7 +11,10 @@ headless test. This module is their kit, and kvtui's own screen tests use it:
 - `headless(...)`: the app from `kvtui.app.make_app`, started with `App.run_test` at a terminal
   size, as a `HeadlessRun`: its `app` and `pilot`, the screen as plain text (`text()`), a stat
   card's figure by widget id (`figure("total")`), the run's state as the header shows it,
-  `press(...)`, bounded waits (`wait_for`, `until_done`) and the notifications the app posted.
+  `press(...)`, bounded waits (`wait_for`, `until_done`) and the notifications the app posted;
+  in presenter mode (`headless(..., present=True)`), the slide a room sees (`slide()`: its
+  figures, their rows of large type, whether the node's paced part of the run is all shown,
+  `until_shown`).
 
     from kvtui.testing import RunSettings, headless
 
@@ -55,6 +58,7 @@ from kvtui.engines.protocol import Event, RunFailed, RunSettings, StepSource
 from kvtui.reports.table import InProcessTable
 from kvtui.run.process import EngineFactory, EngineHandle
 from kvtui.screens.base import LessonScreen
+from kvtui.screens.present import PresentScreen, ShownFigure, Slide
 from kvtui.screens.tricks import TableFactory
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.header import RunHeader
@@ -67,6 +71,8 @@ __all__ = [
     "Cells",
     "RunSettings",
     "ScriptedEngine",
+    "ShownFigure",
+    "Slide",
     "drive",
     "headless",
     "notifications_in",
@@ -438,6 +444,22 @@ class HeadlessRun:
                     return state
         return None
 
+    def slide(self) -> Slide:
+        """Presenter mode as a room sees it: the node, its title, each figure revealed (label,
+        figure with its unit, caption, rows of large type) and whether the node has shown all
+        of its part of the run; LookupError where presenter mode is not the screen shown."""
+        screen = self.app.screen
+        if not isinstance(screen, PresentScreen):
+            raise LookupError(f"presenter mode is not shown ({type(screen).__name__} is)")
+        return screen.slide()
+
+    async def until_shown(self, timeout: float = 30.0) -> Slide:
+        """Wait until presenter mode's node has shown all of its part of the run (its pace ran
+        out and its run ended), then return the slide, drawn."""
+        await self.wait_for(lambda: self.slide().done, timeout)
+        await self.settle()
+        return self.slide()
+
     async def press(self, *keys: str) -> None:
         """Press keys as a user would (`Pilot.press`: "r", "space", "shift+right"...)."""
         await self.pilot.press(*keys)
@@ -506,8 +528,11 @@ async def headless(
     probe: dict[str, Any] | None = None,
     autostart: bool = True,
     table: TableFactory | None = None,
+    present: bool = False,
+    theme: str = "dark",
 ) -> AsyncIterator[HeadlessRun]:
-    """kvtui headless at `size`, on `screen` (1 to 4), running `settings` (or an engine name):
+    """kvtui headless at `size`, on `screen` (1 to 4), running `settings` (or an engine name),
+    in presenter mode if `present` (`slide()` reads it; space moves on), in `theme`:
 
         async with headless(RunSettings(engine="sim:llama-3.1-8b@h100", tokens=24), 2) as run:
             await run.until_done()
@@ -548,6 +573,8 @@ async def headless(
         engine_factory=started,
         autostart=autostart,
         table_factory=table or InProcessTable,
+        present=present,
+        theme=theme,
     )
     async with drive(app, size, engines=engines) as run:
         yield run

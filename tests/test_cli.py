@@ -653,3 +653,59 @@ def test_bench_runs_a_model_split_over_4_gpus(capsys):
     code, out, err = run(capsys, "bench", "--engine", "sim:llama-3.1-70b@2xl4", "--tokens", "8")
     assert (code, out) == (2, "") and err.count("\n") == 1
     assert "does not fit 2x NVIDIA L4" in err and "it needs at least 8" in err
+
+
+def test_presenter_mode_draws_its_title_card_before_the_app_and_leaves_the_terminal_as_it_was():
+    """`kvtui --present` in a terminal (a pty of 80x24): the title card, its waiting line
+    turning, is on the terminal before the app starts drawing (Textual's first act is to turn
+    the mouse on); q quits, exit 0, the terminal's own screen back."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    main_fd, child_fd = pty.openpty()
+    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "TEXTUAL_DRIVER"} | {"TERM": "xterm"}
+    command = [sys.executable, "-m", "kvtui", "--present", "--lesson"]
+    process = subprocess.Popen(
+        [*command, "--engine", "sim:llama-3.1-8b@h100"],
+        stdin=child_fd,
+        stdout=child_fd,
+        stderr=child_fd,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    )
+    os.close(child_fd)
+    seen = b""
+
+    def read_until(condition, timeout: float) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            if select.select([main_fd], [], [], 0.1)[0]:
+                try:
+                    seen += os.read(main_fd, 65536)
+                except OSError:  # the child closed the terminal
+                    return
+
+    try:
+        read_until(lambda: b"\x1b[?1000h" in seen, 60)  # the app has started drawing
+        assert b"\x1b[?1000h" in seen, seen[-2000:]
+        before_app = seen.split(b"\x1b[?1000h")[0].decode(errors="replace")
+        assert before_app.startswith("\x1b[?1049h")  # the app's own screen, at once
+        assert "A real model decodes beside this screen" in before_app
+        assert "starting kvtui..." in before_app and "██" in before_app
+        read_until(lambda: b"space" in seen.split(b"\x1b[?1000h")[-1], 60)  # its first frame
+        os.write(main_fd, b"q")
+        assert process.wait(30) == 0
+        read_until(lambda: False, 0.5)
+        assert seen.rstrip(b"\r\n").endswith(b"\x1b[?1049l")  # the terminal's own screen
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(5)
+        os.close(main_fd)

@@ -22,6 +22,8 @@ import pytest
 
 from kvtui import serve
 from kvtui.cli import build_parser, main
+from kvtui.run.process import child_command
+from kvtui.serve import APP_MAIN
 
 ENGINE = "sim:llama-3.1-8b@h100"
 
@@ -50,8 +52,9 @@ def free_port() -> int:
 class ReadyServer:
     """Stands in for the textual-serve server: says it is ready, then returns (no serving)."""
 
-    def __init__(self, command, sockets, max_sessions):
+    def __init__(self, command, sockets, max_sessions, **page):
         self.command, self.sockets, self.max_sessions = command, sockets, max_sessions
+        self.page = page
         self.addresses = []
 
     async def run(self, on_ready):
@@ -64,8 +67,8 @@ def made(monkeypatch):
     """The servers `cmd_serve` made, none of which serves."""
     servers = []
 
-    def make(*args):
-        servers.append(ReadyServer(*args))
+    def make(*args, **page):
+        servers.append(ReadyServer(*args, **page))
         return servers[-1]
 
     monkeypatch.setattr(serve, "make_server", make)
@@ -139,9 +142,12 @@ def test_each_tab_runs_the_app_with_the_options_given(made, capsys):
     code, _, _ = run(capsys, "serve", "--port", str(free_port()), "--max-sessions", "1", *options)
     assert code == 0
     argv = shlex.split(made[0].command)
-    # isolated from the server's directory, in kvtui's order, no defaults
-    assert argv == [sys.executable, "-I", "-m", "kvtui", *options]
-    served = build_parser().parse_args(argv[4:])
+    # isolated from the server's directory, this very kvtui, in kvtui's order, no defaults
+    app = child_command(APP_MAIN)
+    assert argv == [*app, *options] and app[:3] == [sys.executable, "-I", "-u"]
+    served = build_parser().parse_args(argv[len(app) :])
+    assert made[0].page["idea"].startswith("A real model decodes")  # presenter mode's card
+    assert made[0].page["body_class"] == "kvtui-light"
     given = build_parser().parse_args(["serve", *options])
     for name, value in vars(served).items():
         if name != "command":
@@ -174,7 +180,7 @@ def test_the_serving_process_imports_neither_torch_nor_textual():
         from kvtui.cli import main
 
         class Ready:
-            def __init__(self, *args): pass
+            def __init__(self, *args, **page): pass
             async def run(self, on_ready): on_ready()
 
         serve.make_server = Ready
@@ -208,6 +214,21 @@ async def test_beyond_the_limit_a_tab_gets_the_busy_page():
         message = await websocket.receive_json(timeout=5)
         assert message == ["open_url", {"url": "/", "new_tab": False}]
         await websocket.close()
+
+
+async def test_the_page_is_the_title_card_until_the_app_draws_and_asks_nothing_of_the_web():
+    """kvtui's page (kvtui/templates): the title card, in the theme's colours, its spinner a CSS
+    animation; the terminal and the closed dialog textual-serve's script needs; no web font."""
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    server = serve.make_server("true", [], 1, name="kvtui", idea="Space", body_class="kvtui-light")
+    async with TestClient(TestServer(await server._make_app())) as client:
+        page = await (await client.get("/")).text()
+    assert '<div class="kvtui-name">kvtui</div>' in page and "Space</div>" in page
+    assert 'class="kvtui-light"' in page and "@keyframes kvtui-spin" in page
+    assert 'id="terminal"' in page and "Session ended." in page
+    assert "googleapis" not in page
 
 
 async def test_a_websocket_from_another_site_is_refused():

@@ -111,17 +111,18 @@ def test_stopping_the_server_ends_every_session(new_tab):
 
 def test_presenter_mode_steps_through_the_lesson_on_the_live_model_in_a_tab(new_tab):
     """`kvtui serve --present --lesson` on the shipped model, decoding in the served app's own
-    engine: the title while the run goes, then space by space the first node, its cache picture
-    (every row recomputed, the newest query reading every key) and its first figure."""
+    engine: the title while the run goes, then space by space the first node, its staircase of
+    uncached work shown at a room's pace, and its first figure."""
     server = start_server("--present", "--lesson", "--engine", "tiny", "--max-sessions", "1")
     try:
         tab = new_tab(server.url).open()
-        tab.wait_for_text("why LLM decoding needs a KV cache", "done · step 24/24", timeout=90)
+        tab.wait_for_text("A real model decodes", "done · step 24/24", timeout=90)
         tab.press("Space")
-        text = tab.wait_for_text("1 · Without a cache", "No cache: all 24 rows again")
-        assert "q 23 reads 24 keys" in text and "PER STEP" not in text  # one idea at a time
+        text = tab.wait_for_text("Without a cache, every step", "positions each step computes")
+        assert "PER STEP" not in text  # one idea at a time
+        tab.wait_for_text("shown at a room's pace: all shown", timeout=30)
         tab.press("Space")
-        tab.wait_for_text("PER STEP", "measured: positions at step 24")
+        tab.wait_for_text("PER STEP", "measured: positions step 24 computed")
         tab.press("q")
         wait_for(tab.session_ended, 15, 'the page to say "Session ended."')
     finally:

@@ -130,8 +130,10 @@ def test_any_text_is_itself_in_a_template(text):
 
 
 async def test_presenter_mode_shows_a_records_strings_as_written(text=TEXT):
-    """Presenter mode's status line (the model, the device) and its figures' lines (the pool's
+    """Presenter mode's status line (the model, the device) and node 3's pool bar (the pool's
     source) show a record's strings as text: a `[/dim]` there crashed the app."""
+    from kvtui.widgets.slides import TallBar
+
     events = events_with(model=f"m{text}", device=f"d{text}", kv_pool_source=f"k{text}")
     app = make_app(
         replace(SETTINGS, tokens=4),
@@ -139,12 +141,14 @@ async def test_presenter_mode_shows_a_records_strings_as_written(text=TEXT):
         present=True,
         engine_factory=lambda s: ScriptedEngine(events, settings=s),
     )
-    async with app.run_test(size=SIZE) as pilot:
+    async with app.run_test(size=(320, 60)) as pilot:  # wide enough for both in full
         await wait_for(pilot, lambda: app.live.state == "done")
         await pilot.press(*["space"] * 12)  # to node 3, its figures shown: the pool's source
+        await wait_for(pilot, lambda: app.live.state == "done")
         app.screen.redraw_now()
         await pilot.pause()
         shown = screen_text(app)
-        lines = [note.render().plain for note in app.screen.query(".big--line")]
-        assert any(f"k{text}" in line for line in lines)  # the figure's line, as written
+        assert app.screen.query_one("#present-pool", TallBar).border_subtitle
+        assert f"(k{MARKUP[0]} {MARKUP[1]} {MARKUP[2]}" in shown  # in the bar's border, as written
         assert f"m{MARKUP[0]} {MARKUP[1]}" in shown.splitlines()[-2]
+        assert f"d{MARKUP[0]} {MARKUP[1]}" in shown.splitlines()[-2]

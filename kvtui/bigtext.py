@@ -1,0 +1,211 @@
+"""Large type for a room, without a UI: text drawn by pyfiglet in the largest font that fits a box.
+
+Presenter mode's figures, titles and question grow with the terminal. The fonts are FIGlet
+fonts that ship with pyfiglet, a ladder from 3 rows (`future`, the box-drawing digits Textual's
+`Digits` draw) to `ansi_regular`'s solid blocks drawn at two, three and four times their size:
+`fit` takes the largest whose rendering fits the width and the rows it is given (wrapping words
+onto more lines where it may). Each font's band of rows is fixed (cropped once from a reference
+rendering), so every text in one font is as tall as any other: a figure keeps its height while
+it counts up.
+
+`title_card` lays out the title slide as plain lines, the same for the app's first frame and
+for the card `kvtui --present` prints before the app has imported (kvtui.cli): no dead air.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+from functools import lru_cache
+
+import pyfiglet
+
+
+@dataclass(frozen=True)
+class Font:
+    """A FIGlet font shipped with pyfiglet, drawn `scale` times its size."""
+
+    name: str
+    scale: int = 1
+
+
+LADDER: tuple[Font, ...] = (
+    Font("future"),
+    Font("ansi_regular"),
+    Font("dos_rebel"),
+    Font("ansi_regular", 2),
+    Font("ansi_regular", 3),
+    Font("ansi_regular", 4),
+)
+"""The fonts `fit` tries, smallest first: a line of figures in them is 3, 5, 9, 10, 15 and 20
+rows tall."""
+
+REFERENCE = "0123456789,.%xKMGiB"
+"""What a font's band of rows is measured on: the digits, a comma's tail and the units. A text
+that reaches beyond it (a "g"'s tail) takes the rows it needs too."""
+
+SUBSTITUTES = str.maketrans({"×": "x", "·": "-", "—": "-", "–": "-", "…": "...", "’": "'"})
+"""Characters outside FIGlet's ASCII, drawn as the ASCII nearest them."""
+
+
+@dataclass(frozen=True)
+class Big:
+    """Text drawn large: its lines, the font they are in (an index into the ladder), and how
+    many rows they take."""
+
+    lines: tuple[str, ...]
+    font: int
+
+    @property
+    def rows(self) -> int:
+        return len(self.lines)
+
+    @property
+    def width(self) -> int:
+        return max((len(line) for line in self.lines), default=0)
+
+
+def ascii_text(text: str) -> str:
+    """`text` as FIGlet can draw it: a few symbols as their nearest ASCII, anything else left
+    out."""
+    return "".join(ch for ch in text.translate(SUBSTITUTES) if " " <= ch <= "~")
+
+
+@lru_cache(maxsize=16)
+def _figlet(name: str) -> pyfiglet.Figlet:
+    return pyfiglet.Figlet(font=name, width=100_000)
+
+
+def _used(rows: list[str]) -> tuple[int, int]:
+    used = [i for i, row in enumerate(rows) if row.strip()] or [0]
+    return used[0], used[-1] + 1
+
+
+@lru_cache(maxsize=16)
+def _band(name: str) -> tuple[int, int]:
+    """The rows (first, last + 1) of `name`'s rendering that every text takes."""
+    return _used(_figlet(name).renderText(REFERENCE).split("\n"))
+
+
+def font_rows(font: Font) -> int:
+    """The rows a line of figures in `font` takes (a text with a descender may take more)."""
+    first, last = _band(font.name)
+    return (last - first) * font.scale
+
+
+@lru_cache(maxsize=512)
+def render(text: str, font: Font) -> tuple[str, ...]:
+    """One line of `text` in `font`: the font's band of rows (and any more it reaches), trailing
+    spaces cut to the widest."""
+    rows = _figlet(font.name).renderText(ascii_text(text)).split("\n")
+    first, last = _band(font.name)
+    top, bottom = _used(rows)
+    rows = rows[min(first, top) : max(last, bottom)]
+    width = max((len(row.rstrip()) for row in rows), default=0)
+    rows = [row[:width].ljust(width) for row in rows]
+    if font.scale > 1:
+        rows = ["".join(ch * font.scale for ch in row) for row in rows for _ in range(font.scale)]
+    return tuple(rows)
+
+
+def _wrapped(text: str, font: Font, width: int, lines: int) -> list[tuple[str, ...]] | None:
+    """`text` in `font`, its words wrapped greedily into at most `lines` lines no wider than
+    `width`; None where a word alone is too wide or it takes more lines."""
+    drawn: list[tuple[str, ...]] = []
+    line = ""
+    for word in text.split():
+        candidate = f"{line} {word}" if line else word
+        if line and len(render(candidate, font)[0]) > width:
+            drawn.append(render(line, font))
+            line = word
+        else:
+            line = candidate
+        if len(render(line, font)[0]) > width:
+            return None
+    if line:
+        drawn.append(render(line, font))
+    return drawn if len(drawn) <= lines else None
+
+
+def fit(
+    text: str,
+    width: int,
+    height: int,
+    *,
+    wrap: bool = False,
+    most: int | None = None,
+    gap: int = 0,
+) -> Big | None:
+    """`text` in the largest font of the ladder (at most the `most`-th) that fits `width` x
+    `height` cells, its words wrapped onto more lines (`gap` blank rows apart) if `wrap`; None
+    where even the smallest does not fit."""
+    top = len(LADDER) - 1 if most is None else max(0, min(most, len(LADDER) - 1))
+    for index in range(top, -1, -1):
+        font = LADDER[index]
+        rows = font_rows(font)
+        if rows > height:
+            continue
+        lines = (height + gap) // (rows + gap) if wrap else 1
+        drawn = _wrapped(text, font, width, lines)
+        if drawn is None or sum(len(b) for b in drawn) + gap * (len(drawn) - 1) > height:
+            continue
+        out: list[str] = []
+        for i, block in enumerate(drawn):
+            out += [""] * (gap if i else 0)
+            out += block
+        return Big(tuple(out), index)
+    return None
+
+
+def largest_font(texts: list[str], width: int, height: int) -> int | None:
+    """The largest font in which every one of `texts` fits on one line of `width` x `height`
+    (a node's figures share their size), or None."""
+    fonts = [fit(text, width, height) for text in texts if text]
+    if not fonts or any(f is None for f in fonts):
+        return None
+    return min(f.font for f in fonts if f is not None)
+
+
+TITLE = "kvtui"
+SUBTITLE = "why LLM decoding needs a KV cache"
+IDEA = (
+    "A real model decodes beside this screen, with and without a cache: every figure is "
+    "measured on it, or says it is modelled. Space moves on."
+)
+
+
+@dataclass(frozen=True)
+class CardLine:
+    """A line of the title card, and what it is: "title", "subtitle", "idea" or "blank"."""
+
+    text: str
+    kind: str
+
+
+def title_card(width: int, height: int) -> list[CardLine]:
+    """The title slide in `width` x `height` cells, centred: the name large, the subtitle large
+    where it fits (else in words), the sentence, wrapped. Its last two rows are left for the
+    engine's line (what it is doing while it starts)."""
+    room = max(1, height - 2)
+    lines: list[CardLine] = []
+    name = fit(TITLE, width - 4, max(3, room // 3))
+    sub = fit(SUBTITLE, width - 4, max(3, room // 3), wrap=True, most=2, gap=1)
+    idea = textwrap.wrap(IDEA, min(width - 4, 72))
+    body: list[CardLine] = []
+    if name is not None:
+        body += [CardLine(line, "title") for line in name.lines]
+    else:
+        body.append(CardLine(TITLE, "title"))
+    body.append(CardLine("", "blank"))
+    if sub is not None and len(body) + sub.rows + 1 + len(idea) <= room:
+        body += [CardLine(line, "subtitle") for line in sub.lines]
+    else:
+        body.append(CardLine(SUBTITLE, "subtitle"))
+    body.append(CardLine("", "blank"))
+    body += [CardLine(line, "idea") for line in idea]
+    top = max(0, (room - len(body)) // 2)
+    lines += [CardLine("", "blank")] * top
+    for line in body[:room]:
+        pad = max(0, (width - len(line.text)) // 2)
+        lines.append(CardLine(" " * pad + line.text, line.kind))
+    return lines
