@@ -56,9 +56,10 @@ EXIT_INTERRUPTED = 130
 
 
 def cmd_app(args: argparse.Namespace) -> int:
-    """`kvtui` with no subcommand: open the Textual app (imported only now). Presenter mode
-    puts its title card on the terminal first, moving, while the app imports (`TitleCard`)."""
-    card = TitleCard() if args.present and has_terminal() else None
+    """`kvtui` with no subcommand: open the Textual app (imported only now). Its title card is
+    on the terminal first, moving, while the app imports and draws its first frame (`TitleCard`):
+    the better part of a second that was a blank terminal."""
+    card = TitleCard() if has_terminal() else None
     try:
         from kvtui.engines.factory import check_engine
 
@@ -84,11 +85,12 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 class TitleCard:
-    """Presenter mode's title card (kvtui.bigtext.title_card, as the app's first frame draws
-    it) on the terminal where the app will draw, drawn before the app's imports and its waiting
-    line turning while they run (the better part of a second, longer on a busy machine): the
-    room sees the title, moving, within moments of launch. Not for `kvtui serve`'s web driver,
-    whose stream carries its own protocol, nor where stderr is no terminal."""
+    """kvtui's title card (kvtui.bigtext.title_card, as presenter mode's first slide draws it)
+    on the terminal where the app will draw, drawn before the app's imports and its waiting line
+    turning while they run (the better part of a second, longer on a busy machine): a person, or
+    a room, sees the title, moving, within moments of launch, then the app's first frame. Not for
+    `kvtui serve`'s web driver, whose stream carries its own protocol, nor where stderr is no
+    terminal."""
 
     SHOW = "\x1b[?1049h\x1b[?25l\x1b[H\x1b[2J"
     """The terminal's alternate screen (where the app draws), cursor hidden, cleared."""

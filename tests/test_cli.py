@@ -655,10 +655,11 @@ def test_bench_runs_a_model_split_over_4_gpus(capsys):
     assert "does not fit 2x NVIDIA L4" in err and "it needs at least 8" in err
 
 
-def test_presenter_mode_draws_its_title_card_before_the_app_and_leaves_the_terminal_as_it_was():
-    """`kvtui --present` in a terminal (a pty of 80x24): the title card, its waiting line
-    turning, is on the terminal before the app starts drawing (Textual's first act is to turn
-    the mouse on); q quits, exit 0, the terminal's own screen back."""
+@pytest.mark.parametrize("present", [["--present"], []], ids=["presenter", "lesson screens"])
+def test_the_app_draws_its_title_card_before_the_app_and_leaves_the_terminal_as_it_was(present):
+    """`kvtui` (presenter mode or not) in a terminal (a pty of 80x24): the title card, its
+    waiting line turning, is on the terminal before the app starts drawing (Textual's first act
+    is to turn the mouse on); q quits, exit 0, the terminal's own screen back."""
     import fcntl
     import os
     import pty
@@ -670,7 +671,7 @@ def test_presenter_mode_draws_its_title_card_before_the_app_and_leaves_the_termi
     main_fd, child_fd = pty.openpty()
     fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     env = {k: v for k, v in os.environ.items() if k != "TEXTUAL_DRIVER"} | {"TERM": "xterm"}
-    command = [sys.executable, "-m", "kvtui", "--present", "--lesson"]
+    command = [sys.executable, "-m", "kvtui", *present, "--lesson"]
     process = subprocess.Popen(
         [*command, "--engine", "sim:llama-3.1-8b@h100"],
         stdin=child_fd,
