@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-METRICS = (Path(__file__).parents[1] / "engine" / "data" / "vllm-0.32-busy.txt").read_text()
+METRICS = (Path(__file__).parents[1] / "engines" / "data" / "vllm-0.32-busy.txt").read_text()
 
 
 class FakeVLLM:
