@@ -39,13 +39,16 @@ from urllib.parse import urlsplit
 from kvtui.engines.protocol import RunSettings
 from kvtui.errors import EngineError
 from kvtui.format import error_line, safe_text
-from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, positive_int
+from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, int_in
 from kvtui.run.process import CHILD_CWD, absolute_paths
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_SESSIONS = 4
 """Tabs served at once; each one is an app process and a decode engine process."""
+MAX_SESSIONS = 64
+"""The most `--max-sessions` takes: 128 processes, each engine a few hundred MB (a room of
+laptops, not a fleet)."""
 
 STOP_GRACE_SECONDS = 3.0
 """How long a closed tab's app and engine get to exit by themselves before they are killed."""
@@ -83,11 +86,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     p.add_argument(
         "--max-sessions",
-        type=positive_int,
+        type=int_in(1, MAX_SESSIONS),
         default=DEFAULT_MAX_SESSIONS,
         metavar="N",
         help=f"tabs served at once, each an app and an engine process (default "
-        f"{DEFAULT_MAX_SESSIONS})",
+        f"{DEFAULT_MAX_SESSIONS}, at most {MAX_SESSIONS})",
     )
     add_run_options(p.add_argument_group("app options (as for kvtui)"), app=True)
     p.set_defaults(handler=cmd_serve)

@@ -104,6 +104,17 @@ def test_without_the_extra_it_says_how_to_install_it(capsys, monkeypatch, made):
     assert_usage_error(capsys, "serve", "--engine", ENGINE, says="pip install 'kvtui[serve]'")
 
 
+def test_max_sessions_is_capped(capsys, made):
+    """`--max-sessions` past MAX_SESSIONS (two processes a tab) is refused in one line, where
+    1 followed by 30 zeros was taken: no cap on the processes a server starts."""
+    for many in ("1" + "0" * 30, "65"):
+        argv = ["serve", "--port", str(free_port()), "--max-sessions", many, "--engine", ENGINE]
+        assert_usage_error(
+            capsys, *argv, says="argument --max-sessions: expected a positive integer up to 64"
+        )
+    assert made == []
+
+
 def test_a_bad_engine_is_refused_before_serving(capsys, made):
     assert_usage_error(capsys, "serve", "--engine", "sim:nope@h100", says="unknown model 'nope'")
     assert made == []
