@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvtui.errors import EngineError
 from kvtui.format import format_bytes, format_int, safe_text
-from kvtui.options import UsageError, float_in, int_in
+from kvtui.options import UsageError, float_in, folder_path, int_in
 from kvtui.reports.sim import print_json
 
 
@@ -48,7 +47,9 @@ def add_export_hf(subparsers: Any) -> None:
         "config.json, model.safetensors (float32) and a byte-level tokenizer whose ids are the "
         "bytes, so that transformers and vLLM run the model kvtui runs, with the same greedy ids.",
     )
-    p.add_argument("directory", type=Path, metavar="DIR", help="where to write it (made if new)")
+    p.add_argument(
+        "directory", type=folder_path, metavar="DIR", help="where to write it (made if new)"
+    )
     p.add_argument(
         "--force",
         action="store_true",
