@@ -59,7 +59,9 @@ def add_export_hf(subparsers: Any) -> None:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    """`kvtui load URL`: a bounded load on a server; a summary, or `--json`."""
+    """`kvtui load URL`: a bounded load on a server; a summary, or `--json`. Exit status 1 when
+    a request failed (the server refused it, or answered what is not a completion), 0 when each
+    was done or cut at the time limit."""
     from kvtui.engines.vllm.client import ServerURL
     from kvtui.engines.vllm.load import LoadPlan, format_result, run_load
 
@@ -104,7 +106,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         print_json(result.to_json())
     else:
         print(safe_text(format_result(result)))
-    return 0
+    return 1 if result.failed else 0
 
 
 def add_load(subparsers: Any) -> None:
@@ -123,7 +125,7 @@ def add_load(subparsers: Any) -> None:
         description="N requests at a time of P prompt tokens and T generated tokens each "
         "(end-of-sequence ignored), to a vLLM (OpenAI-compatible) server: it fills the server's "
         "KV cache, and past it requests wait and are preempted. Stops after --requests or "
-        "--seconds, whichever comes first.",
+        "--seconds, whichever comes first. Exit status 1 when a request failed.",
     )
     p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument(

@@ -7,12 +7,21 @@ the app stays up. Stand-in servers (fake.py) on 127.0.0.1; the deadlines shorten
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from kvtui.app import make_app
-from kvtui.engines.protocol import RunSettings
+from kvtui.cli import main
+from kvtui.engines.factory import open_engine
+from kvtui.engines.protocol import RunFinished, RunSettings, StepSample
+from kvtui.engines.schedule import RunControl, run_events
+from kvtui.engines.vllm import client
+from kvtui.engines.vllm.client import Server, ServerError, ServerURL
 from kvtui.engines.vllm.metrics import server_metrics
 from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
 
@@ -21,6 +30,50 @@ from .fake import METRICS, FakeVLLM
 
 def settings(url: str, tokens: int = 8) -> RunSettings:
     return RunSettings(engine=f"vllm:{url}", tokens=tokens, greedy=True, loops=("cached",))
+
+
+def within(seconds: float, work: Callable[[], Any]) -> Any:
+    """`work()`'s result, or a failure saying it was still running after `seconds` (a hang)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["result"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"still running after {seconds:g} s: no deadline held")
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def run_engine(url: str, tokens: int = 8) -> list[Any]:
+    """Every event of a `vllm:` run (no polls after it)."""
+    engine = open_engine(settings(url, tokens))
+    try:
+        return list(run_events(engine, settings(url, tokens), RunControl()))
+    finally:
+        engine.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def one_line_exit_2(capsys: Any, argv: list[str], says: str) -> str:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err and says in err, err
+    return err
 
 
 @pytest.fixture
@@ -35,6 +88,122 @@ def serve():
     yield start
     for server in started:
         server.close()
+
+
+# --- time: a deadline for the whole request ------------------------------------------------------
+
+
+def test_an_answer_sent_a_byte_at_a_time_is_cut_at_its_deadline(serve):
+    """Each byte comes well within a read's wait, so only a deadline for the whole request ends
+    it (/v1/models, 160 bytes at 20 ms: 3 s; the deadline 1 s)."""
+    server = serve(drip_s=0.02, drip_paths=("/v1/models",))
+    started = time.monotonic()
+    with pytest.raises(ServerError, match="no answer in time"):
+        within(10, lambda: Server(ServerURL.parse(server.url), 1.0).json("/v1/models"))
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_stream_of_keep_alives_without_a_token_ends(serve, monkeypatch):
+    """SSE comments (`: keep-alive`) forever and no token: each arrives within a read's wait, so
+    the stream waited forever; it ends STREAM_IDLE_S after the last token (here 1 s)."""
+    monkeypatch.setattr(client, "STREAM_IDLE_S", 1.0)
+    server = serve(chunk=lambda i: b": keep-alive\n\n", forever=True, token_delay_s=0.05)
+    events = within(15, lambda: run_engine(server.url))
+    finished = [e for e in events if isinstance(e, RunFinished)]
+    assert finished[-1].reason == "error" and "sent no token for 1 s" in finished[-1].message
+
+
+def test_a_stream_line_sent_a_byte_at_a_time_is_cut(serve, monkeypatch):
+    """A line of the stream whose bytes come one by one: a line once begun must be whole within
+    READ_WAIT_S (here 0.5 s), where the stream waited as long as bytes came."""
+    monkeypatch.setattr(client, "READ_WAIT_S", 0.5)
+    server = serve(drip_s=0.05, drip_paths=("/v1/completions",))
+    events = within(15, lambda: run_engine(server.url))
+    finished = [e for e in events if isinstance(e, RunFinished)]
+    assert finished[-1].reason == "error"
+    assert "sent a line too slowly (not whole within 0.5 s)" in finished[-1].message
+
+
+def test_kvtui_load_obeys_its_seconds_whatever_the_stream_does(serve, capsys):
+    """`kvtui load --seconds 1.5` on streams sent a byte at a time: it ends at its limit, the
+    requests cut (http.client drops its socket on `Connection: close`, so closing the stream
+    could not interrupt the read: it hung)."""
+    server = serve(drip_s=0.2, drip_paths=("/v1/completions",))
+    argv = ["load", server.url, "--concurrency", "2", "--prompt-tokens", "4", "--max-tokens"]
+    started = time.monotonic()
+    code = within(20, lambda: main([*argv, "8", "--seconds", "1.5", "--json"]))
+    result = json.loads(capsys.readouterr().out)
+    assert time.monotonic() - started < 6
+    assert (code, result["ended"], result["failed"]) == (0, "time limit", 0)
+    assert result["cut"] == 2
+
+
+# --- bytes: kvtui stops reading at what it asked for --------------------------------------------
+
+
+def test_a_stream_past_the_tokens_asked_for_is_not_read(serve):
+    """A server streaming tokens forever, as fast as it can: the run ends at its 8 tokens."""
+    server = serve(forever=True, token_delay_s=0)
+    events = within(20, lambda: run_engine(server.url, tokens=8))
+    steps = [e for e in events if isinstance(e, StepSample)]
+    assert len(steps) == 8 and events[-1] == RunFinished("cached", "done", 8)
+
+
+def test_chunks_of_400_000_token_ids_stop_at_the_tokens_asked_for(serve):
+    """Each chunk 400,000 token ids (800 KB): the run keeps 8 of the first and reads no more,
+    where every id became a step (memory past 1.5 GiB, and no end)."""
+    fat = "data: " + json.dumps({"choices": [{"text": "x", "token_ids": [0] * 400_000}]})
+    line = fat.replace(" ", "").replace("data:", "data: ").encode() + b"\n\n"
+    server = serve(chunk=lambda i: line, forever=True, token_delay_s=0)
+    events = within(30, lambda: run_engine(server.url, tokens=8))
+    steps = [e for e in events if isinstance(e, StepSample)]
+    assert len(steps) == 8 and isinstance(events[-1], RunFinished)
+    assert events[-1].reason == "done"
+
+
+def test_kvtui_load_stops_at_its_max_tokens(serve, capsys):
+    server = serve(forever=True, token_delay_s=0)
+    argv = ["load", server.url, "--concurrency", "2", "--prompt-tokens", "4", "--max-tokens"]
+    code = within(20, lambda: main([*argv, "16", "--requests", "4", "--json"]))
+    result = json.loads(capsys.readouterr().out)
+    assert (code, result["done"], result["tokens"]) == (0, 4, 64)
+
+
+# --- JSON: nested, not an object, of the wrong types ---------------------------------------------
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+def test_nested_json_is_one_line(serve, capsys):
+    """JSON nested past Python's recursion limit: RecursionError (a traceback) in `bench`,
+    `load` and `serve`'s check; now "did not answer JSON" in one line."""
+    server = serve(replies={"/v1/models": NESTED})
+    for argv in (
+        ["bench", "--engine", f"vllm:{server.url}"],
+        ["load", server.url, "--concurrency", "1", "--prompt-tokens", "1", "--max-tokens", "1"],
+        ["serve", "--port", str(free_port()), "--engine", f"vllm:{server.url}"],
+    ):
+        one_line_exit_2(capsys, argv, "/v1/models did not answer JSON")
+
+
+def test_a_nested_chunk_ends_the_run_in_one_line(serve):
+    server = serve(chunk=lambda i: b"data: " + NESTED + b"\n\n")
+    finished = run_engine(server.url)[-1]
+    assert finished.reason == "error" and "streamed something not JSON" in finished.message
+
+
+@pytest.mark.parametrize("choices", [5, {"text": "x"}, [5], "x", None])
+def test_kvtui_load_counts_chunks_of_the_wrong_type_as_failed(serve, capsys, choices):
+    """`choices` an int, an object, a list of numbers: TypeError and KeyError in the load's
+    workers, which then died and the requests vanished ("0 done, 0 failed", exit 0). Each
+    request is now counted as failed, and the exit status says so."""
+    chunk = b"data: " + json.dumps({"choices": choices}).encode() + b"\n\n"
+    server = serve(chunk=lambda i: chunk)
+    argv = ["load", server.url, "--concurrency", "2", "--prompt-tokens", "4", "--max-tokens"]
+    assert main([*argv, "4", "--requests", "3", "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert (result["done"], result["failed"], result["cut"]) == (0, 3, 0)
+    assert "a request ended after 0 of 4 tokens" in result["errors"]
 
 
 # --- numbers past any count ----------------------------------------------------------------------
@@ -97,3 +266,28 @@ async def test_the_app_stays_up_on_a_block_size_of_18_digits(serve):
         await wait_for(pilot, lambda: app.live_run.state == "done", timeout=30)
         await pilot.pause()
         assert "reports no KV-cache blocks" in screen_text(app) and app.is_running
+
+
+def test_a_record_from_a_server_of_huge_numbers_replays(serve, tmp_path, capsys):
+    """What kvtui writes, it reads back: a max_model_len of 10^30 and counts past 64 bits were
+    recorded as they came, and the replay refused its own record ("line 2: corrupt")."""
+    models = {"data": [{"id": "m", "root": "m", "max_model_len": 10**30}]}
+    huge = "vllm:num_preemptions_total 1e300\nvllm:num_requests_running 99999999999999999999\n"
+    server = serve(models=models, metrics=METRICS + huge)
+    record = tmp_path / "huge.jsonl"
+    bench = ["bench", "--engine", f"vllm:{server.url}", "--tokens", "4", "--json"]
+    assert main([*bench, "--record", str(record)]) == 0
+    capsys.readouterr()
+    assert main(["bench", "--engine", f"replay:{record}", "--replay-speed", "0", "--json"]) == 0
+    replayed = json.loads(capsys.readouterr().out)
+    assert replayed["server"]["requests_running"] is None
+
+
+# --- URLs ----------------------------------------------------------------------------------------
+
+
+def test_a_root_path_of_100_kb_is_looked_for_nowhere(serve):
+    """A `root` of 100 KB from /v1/models: ENAMETOOLONG while looking for its config.json."""
+    models = {"data": [{"id": "m", "root": "/" + "a" * 100_000, "max_model_len": 512}]}
+    server = serve(models=models)
+    assert run_engine(server.url, tokens=2)[-1] == RunFinished("cached", "done", 2)
