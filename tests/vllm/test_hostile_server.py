@@ -286,6 +286,25 @@ def test_a_record_from_a_server_of_huge_numbers_replays(serve, tmp_path, capsys)
 # --- URLs ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "host",
+    ["ü..invalid", "ü" * 70 + ".invalid", "a" * 64 + ".example", "\udcff.example"],
+    ids=["empty label", "70 u-umlauts", "64 letters", "not utf-8"],
+)
+def test_a_host_that_is_not_a_host_name_is_one_line(capsys, host):
+    """UnicodeError from the IDNA codec as the request was made (a traceback)."""
+    one_line_exit_2(capsys, ["bench", "--engine", f"vllm:http://{host}:1"], "not a valid host name")
+
+
+def test_a_path_that_is_not_utf8_is_sent_percent_encoded(serve, capsys):
+    """Bytes that were not UTF-8 in the URL's path (as argv holds them): UnicodeEncodeError as
+    the request was made; they go percent-encoded, and the server's 404 is one line."""
+    server = serve()
+    one_line_exit_2(capsys, ["bench", "--engine", f"vllm:{server.url}/\udcff\u00e9"], "HTTP 404")
+    assert "GET /%FF%C3%A9/v1/models" in server.requests
+    assert str(ServerURL.parse("http://h:1/a b".replace(" ", "%20"))) == "http://h:1/a%20b"
+
+
 def test_a_root_path_of_100_kb_is_looked_for_nowhere(serve):
     """A `root` of 100 KB from /v1/models: ENAMETOOLONG while looking for its config.json."""
     models = {"data": [{"id": "m", "root": "/" + "a" * 100_000, "max_model_len": 512}]}

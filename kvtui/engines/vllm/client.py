@@ -37,9 +37,10 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from kvtui.errors import EngineError
+from kvtui.format import safe_text
 from kvtui.inputs import parse_json
 
 READ_WAIT_S = 5.0
@@ -68,8 +69,9 @@ def _json(data: bytes) -> Any:
 
 @dataclass(frozen=True)
 class ServerURL:
-    """A server's base URL, checked: http or https, a host, a port (the scheme's by default), an
-    optional path prefix (a proxy's), no credentials, query or fragment."""
+    """A server's base URL, checked: http or https, a host (a valid IDNA name, kept in its ASCII
+    form), a port (the scheme's by default), an optional path prefix (a proxy's, percent-encoded
+    as sent), no credentials, query or fragment."""
 
     scheme: str
     host: str
@@ -81,7 +83,7 @@ class ServerURL:
     def parse(cls, text: str, what: str = "the server URL") -> ServerURL:
         """The URL `text`, or `EngineError` with one line saying what is wrong with it. A
         trailing `/v1` (the OpenAI client's base URL) is taken off."""
-        shown = repr(text) if len(text) <= 60 else repr(text[:57] + "...")
+        shown = safe_text(repr(text) if len(text) <= 60 else repr(text[:57] + "..."))
         if any(ord(c) < 33 or ord(c) == 127 for c in text):
             raise EngineError(f"{what} {shown} holds spaces or control characters")
         try:
@@ -101,10 +103,14 @@ class ServerURL:
             raise EngineError(f"{what} {shown} has a query or fragment; give the server's base URL")
         if port == 0:
             raise EngineError(f"{what} {shown}: port 0 is not a port")
-        prefix = parts.path.rstrip("/")
-        prefix = prefix.removesuffix("/v1")
+        host = _host(parts.hostname, f"{what} {shown}")
+        try:  # bytes that were not UTF-8 (surrogate escapes, from argv) go as they came
+            raw = parts.path.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise EngineError(f"{what} {shown} has a path that is not text") from None
+        prefix = quote(raw, safe="/%:@!$&'()*+,;=-._~").rstrip("/").removesuffix("/v1")
         default = 443 if parts.scheme == "https" else 80
-        return cls(parts.scheme, parts.hostname, port or default, prefix)
+        return cls(parts.scheme, host, port or default, prefix)
 
     @property
     def netloc(self) -> str:
@@ -113,6 +119,17 @@ class ServerURL:
 
     def __str__(self) -> str:
         return f"{self.scheme}://{self.netloc}{self.prefix}"
+
+
+def _host(hostname: str, shown: str) -> str:
+    """The host as it is sent: an IP address as given, a name in its ASCII (IDNA) form;
+    `EngineError` for a name no DNS holds (an empty label, a label past 63 characters)."""
+    if ":" in hostname:  # an IPv6 address (urlsplit took its brackets off)
+        return hostname
+    try:
+        return hostname.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise EngineError(f"{shown} has a host that is not a valid host name") from None
 
 
 class _Clock:
