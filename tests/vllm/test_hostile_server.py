@@ -27,6 +27,10 @@ from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
 
 from .fake import METRICS, FakeVLLM
 
+CONTROL = "\x1b]52;c;aGFja2Vk\x07\x1b]0;PWNED\x07\x9b31m\r\nspeedup: 999x (FAKE LINE)"
+"""What a hostile server names things with: an OSC 52 (sets the clipboard), an OSC 0 (the
+terminal's title), a C1 CSI, and a line break that starts a line of its own in a table."""
+
 
 def settings(url: str, tokens: int = 8) -> RunSettings:
     return RunSettings(engine=f"vllm:{url}", tokens=tokens, greedy=True, loops=("cached",))
@@ -281,6 +285,45 @@ def test_a_record_from_a_server_of_huge_numbers_replays(serve, tmp_path, capsys)
     assert main(["bench", "--engine", f"replay:{record}", "--replay-speed", "0", "--json"]) == 0
     replayed = json.loads(capsys.readouterr().out)
     assert replayed["server"]["requests_running"] is None
+
+
+# --- what it says: escape codes, line breaks ------------------------------------------------------
+
+
+def _lying_names() -> dict[str, Any]:
+    metrics = METRICS.replace('cache_dtype="auto"', 'cache_dtype="\x1b]0;T\x07[/]"')
+    metrics = metrics.replace('reason="capacity"', 'reason="\x1b]52;c;aGk=\x07[b]x"')
+    models = {"data": [{"id": CONTROL, "root": CONTROL, "max_model_len": 512}]}
+    return {"models": models, "metrics": metrics}
+
+
+def test_bench_prints_no_escape_code_nor_a_line_of_the_servers(serve, capsys):
+    """A model id holding an OSC 52 and `\\r\\n`: bench's table printed the escape codes raw and
+    "speedup: 999x (FAKE LINE)" as a line of its own."""
+    server = serve(
+        **_lying_names(),
+        chunk=lambda i: b'data: {"choices": [{"text": "\\u001b[2J\\r\\n", "token_ids": [7]}]}\n\n',
+    )
+    assert main(["bench", "--engine", f"vllm:{server.url}", "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x9b\x07\r"), repr(out[:300])
+    assert not any(line.lstrip().startswith("speedup: 999x") for line in out.splitlines())
+    assert "\\x1b]52;c;aGFja2Vk\\x07" in out  # shown, as text
+
+
+async def test_the_app_draws_no_escape_code_of_the_servers(serve):
+    """Screen 3 drew a /metrics label's OSC 52 (a waiting reason) raw: it set the clipboard."""
+    server = serve(**_lying_names())
+    app = make_app(settings(server.url, 16), 3, probe=NO_GPU_PROBE)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: "waiting" in screen_text(app), timeout=30)
+        for key in ("3", "2", "1", "3"):
+            await pilot.press(key)
+            await pilot.pause()
+            shown = screen_text(app)
+            assert not any(ord(c) < 32 and c != "\n" or 0x7F <= ord(c) < 0xA0 for c in shown)
+        assert "(\\x1b]52;c;aGk" in screen_text(app)  # the reason, as text
+        assert app.is_running
 
 
 # --- URLs ----------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Talking to a serving engine over HTTP, bounded, without a UI or a dependency: the URL a user
 gives (`vllm:URL`, `kvtui load URL`) checked once, and JSON, text and a server-sent event stream
-read from it, every request bounded in time and bytes whatever the server does.
+read from it, every request bounded in time and bytes whatever the server does, and every string
+it says made safe where it enters.
 
 Only the URL given is contacted: `http.client` follows no redirect and uses no proxy from the
 environment (urllib would do both), and every path is joined to the URL's own host and port.
@@ -21,7 +22,11 @@ The bounds, each a constant below:
   one);
 - bytes: a plain answer of at most its caller's limit, a stream line of at most MAX_LINE_BYTES
   and a stream of at most its caller's `max_bytes`; JSON no deeper than Python parses, with no
-  NaN or infinity (kvtui.inputs.parse_json).
+  NaN or infinity (kvtui.inputs.parse_json);
+- text: every string of an answer goes through `server_text` (kvtui.format.safe_text) as it is
+  parsed: control characters (ESC, so no escape code; C1; CR) are written as escapes, and newlines
+  too except in the fields that hold generated text (`TEXT_KEYS`). Rich markup in it is drawn as
+  text by the screens (they never parse a server's words as markup).
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ MAX_JSON_BYTES = 4 * 2**20
 """The largest JSON answer read (a model list, a tokenized prompt)."""
 MAX_LINE_BYTES = 2**20
 """The longest line of a stream read (a chunk of one or a few tokens is a few hundred bytes)."""
+MAX_TEXT_CHARS = 4096
+"""The longest string kept of an answer's fields (a token's text, a model's name, a reason): the
+rest is cut, with "..." (the JSON itself is bounded by its bytes)."""
+TEXT_KEYS = frozenset({"text", "prompt"})
+"""The fields of an answer that hold generated text (a completion's, a detokenized prompt's):
+their newlines and tabs are kept. Every other string is one line."""
 _READ_CHUNK = 65536
 
 
@@ -61,10 +72,42 @@ class ServerError(EngineError):
     """The server cannot be reached, or answered something kvtui cannot read: one line."""
 
 
+def server_text(value: str, *, lines: bool = False) -> str:
+    """A string a server said, as kvtui keeps it: at most MAX_TEXT_CHARS, every control character
+    written as an escape (kvtui.format.safe_text), newlines and tabs too unless `lines`."""
+    if len(value) > MAX_TEXT_CHARS:
+        value = value[: MAX_TEXT_CHARS - 3] + "..."
+    return safe_text(value, one_line=not lines)
+
+
+def _safe(data: Any) -> Any:
+    """Parsed JSON with every string made safe (`server_text`), keys too: a field of TEXT_KEYS
+    keeps its newlines. Iterative: a deep answer costs no recursion."""
+    root: list[Any] = [data]
+    stack: list[tuple[Any, Any, bool]] = [(root, 0, False)]
+    while stack:
+        parent, key, lines = stack.pop()
+        value = parent[key]
+        if isinstance(value, str):
+            parent[key] = server_text(value, lines=lines)
+        elif isinstance(value, list):
+            stack.extend((value, i, lines) for i, v in enumerate(value) if _nested(v))
+        elif isinstance(value, dict):
+            safe = {server_text(k) if isinstance(k, str) else k: v for k, v in value.items()}
+            value.clear()
+            value.update(safe)
+            stack.extend((value, k, k in TEXT_KEYS) for k in value)
+    return root[0]
+
+
+def _nested(value: Any) -> bool:
+    return isinstance(value, str | list | dict)
+
+
 def _json(data: bytes) -> Any:
     """JSON as RFC 8259 has it (kvtui.inputs.parse_json: no NaN, no infinity, no nesting past
-    what Python parses); ValueError if it is not."""
-    return parse_json(data.decode("utf-8", errors="replace"))
+    what Python parses), its strings made safe; ValueError if it is not."""
+    return _safe(parse_json(data.decode("utf-8", errors="replace")))
 
 
 @dataclass(frozen=True)
@@ -261,7 +304,7 @@ class Server:
             why = exc.strerror.lower()
         else:
             why = str(exc) or type(exc).__name__
-        return ServerError(f"no answer from {self.url}: {why}")
+        return ServerError(f"no answer from {self.url}: {server_text(why)}")
 
     def _request(
         self, method: str, path: str, body: Any, clock: _Clock
@@ -313,11 +356,13 @@ class Server:
         return data
 
     def text(self, path: str, limit: int) -> str:
-        """A GET's body as text (UTF-8, bad bytes replaced)."""
-        return self._body(path, None, limit).decode("utf-8", errors="replace")
+        """A GET's body as text: UTF-8 (bad bytes replaced), its lines ended by newlines only,
+        made safe (`server_text`, newlines kept)."""
+        data = self._body(path, None, limit).decode("utf-8", errors="replace")
+        return safe_text(data.replace("\r\n", "\n"))
 
     def json(self, path: str, body: Any = None, limit: int = MAX_JSON_BYTES) -> Any:
-        """A GET's (or, with a body, a POST's) JSON answer."""
+        """A GET's (or, with a body, a POST's) JSON answer, its strings made safe."""
         data = self._body(path, body, limit)
         try:
             return _json(data)
@@ -345,9 +390,9 @@ class Server:
 
 
 class EventStream:
-    """The `data:` payloads of a server-sent event stream, parsed, one at a time, until `[DONE]`
-    or the end; `close()` (from any thread) ends it and closes the connection, which tells a
-    vLLM server to abort the request. A payload carrying tokens
+    """The `data:` payloads of a server-sent event stream, parsed (their strings made safe), one
+    at a time, until `[DONE]` or the end; `close()` (from any thread) ends it and closes the
+    connection, which tells a vLLM server to abort the request. A payload carrying tokens
     (`progress()`, called by the reader) gives the stream STREAM_IDLE_S more, up to `until`."""
 
     def __init__(
