@@ -353,3 +353,21 @@ def test_a_root_path_of_100_kb_is_looked_for_nowhere(serve):
     models = {"data": [{"id": "m", "root": "/" + "a" * 100_000, "max_model_len": 512}]}
     server = serve(models=models)
     assert run_engine(server.url, tokens=2)[-1] == RunFinished("cached", "done", 2)
+
+
+# --- a record of a run the server ended ----------------------------------------------------------
+
+
+def test_a_server_dying_mid_run_leaves_a_record_of_what_was_measured(serve, tmp_path, capsys):
+    """`--record` of a run whose server died after 5 tokens: the record was discarded, with all
+    that was measured; now it is kept (and replays), and the one line says where."""
+    from kvtui.engines.replay import read_record
+
+    server = serve(die_after=5, token_delay_s=0.01)
+    record = tmp_path / "died.jsonl"
+    argv = ["bench", "--engine", f"vllm:{server.url}", "--tokens", "20", "--record", str(record)]
+    err = one_line_exit_2(capsys, argv, "stopped streaming after 5 of 20 tokens")
+    assert f"the steps before are recorded to {record}" in err
+    _, events = read_record(record)
+    assert len([e for e in events if isinstance(e, StepSample)]) == 5
+    assert [e.reason for e in events if isinstance(e, RunFinished)] == ["error"]
