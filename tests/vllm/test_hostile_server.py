@@ -371,3 +371,35 @@ def test_a_server_dying_mid_run_leaves_a_record_of_what_was_measured(serve, tmp_
     _, events = read_record(record)
     assert len([e for e in events if isinstance(e, StepSample)]) == 5
     assert [e.reason for e in events if isinstance(e, RunFinished)] == ["error"]
+
+
+def test_sigterm_during_a_record_keeps_it_whole_and_leaves_no_part_file(serve, tmp_path):
+    """SIGTERM (a `timeout`, a closed session) during `bench --record`: Python's default ended the
+    process at once, leaving `.died.jsonl.*.part` and no record; now it ends as Ctrl-C does,
+    through the record's own cleanup (exit 143)."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvtui.engines.replay import read_record
+
+    server = serve(token_delay_s=0.05)
+    record = tmp_path / "cut.jsonl"
+    argv = ["bench", "--engine", f"vllm:{server.url}", "--tokens", "400", "--record", str(record)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtui", *argv], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while "POST /v1/completions" not in server.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # some tokens streamed
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.jsonl"]
+    _, events = read_record(record)
+    assert [e.reason for e in events if isinstance(e, RunFinished)] == ["cancelled"]
