@@ -128,6 +128,22 @@ def test_a_stream_line_sent_a_byte_at_a_time_is_cut(serve, monkeypatch):
     assert "sent a line too slowly (not whole within 0.5 s)" in finished[-1].message
 
 
+def test_the_questions_before_a_run_share_one_deadline(serve, monkeypatch):
+    """/version and /tokenize each sent a byte at a time: the questions before a run had a
+    deadline each, so a server held a run's start for several; they now share one (here 2 s,
+    OPEN_DEADLINE_S shortened), and the run starts without what did not come in time (the
+    prompt then goes as text)."""
+    from kvtui.engines.vllm import engine
+
+    monkeypatch.setattr(engine, "OPEN_DEADLINE_S", 2.0, raising=False)
+    server = serve(drip_s=0.05, drip_paths=("/version", "/tokenize"))
+    started = time.monotonic()
+    opened = within(30, lambda: open_engine(settings(server.url)))
+    opened.close()
+    assert time.monotonic() - started < 4
+    assert opened.prompt_ids is None
+
+
 def test_kvtui_load_obeys_its_seconds_whatever_the_stream_does(serve, capsys):
     """`kvtui load --seconds 1.5` on streams sent a byte at a time: it ends at its limit, the
     requests cut (http.client drops its socket on `Connection: close`, so closing the stream

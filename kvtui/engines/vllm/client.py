@@ -50,7 +50,7 @@ from kvtui.inputs import parse_json
 
 READ_WAIT_S = 5.0
 """The longest any one wait for the server may take: a connection, a read, a line once begun."""
-REQUEST_DEADLINE_S = 15.0
+REQUEST_DEADLINE_S = 10.0
 """The longest a plain request (a model list, /metrics, a tokenized prompt) may take, whole."""
 STREAM_IDLE_S = 120.0
 """The longest a stream may go without a token: a request waiting for KV-cache room sends nothing
@@ -283,9 +283,14 @@ def _now() -> float:
 class Server:
     """Requests to one server: JSON, text and a stream, each bounded in time and bytes."""
 
-    def __init__(self, url: ServerURL, deadline_s: float = REQUEST_DEADLINE_S) -> None:
+    def __init__(
+        self, url: ServerURL, deadline_s: float = REQUEST_DEADLINE_S, *, until: float = math.inf
+    ) -> None:
         self.url = url
         self.deadline_s = deadline_s
+        self.until = until
+        """A deadline (`time.monotonic`) every request of this server keeps as well as its
+        own: the questions an engine asks before it runs, within one bound."""
 
     def _failed(self, exc: BaseException) -> ServerError:
         if isinstance(exc, socket.timeout | TimeoutError):
@@ -343,7 +348,7 @@ class Server:
     def _body(self, path: str, body: Any, limit: int) -> bytes:
         """A GET's (or, with a body, a POST's) answer, read whole (at most `limit` bytes, within
         the request's deadline) and checked."""
-        clock = _Clock(_now() + self.deadline_s)
+        clock = _Clock(min(self.until, _now() + self.deadline_s))
         conn, response = self._request("GET" if body is None else "POST", path, body, clock)
         try:
             data = self._read(response, limit, path)
@@ -375,8 +380,8 @@ class Server:
         """A POST whose answer is a stream of server-sent events (`data: ...` lines), read at
         most until `until` (`time.monotonic`) and `max_bytes` bytes (see the module's
         docstring for the stream's other bounds)."""
-        start = _now()
-        clock = _Clock(min(until, start + STREAM_IDLE_S))
+        until = min(until, self.until)
+        clock = _Clock(min(until, _now() + STREAM_IDLE_S))
         conn, response = self._request("POST", path, body, clock)
         if not 200 <= response.status < 300:
             try:

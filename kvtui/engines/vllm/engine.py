@@ -29,6 +29,7 @@ not answer, and pick up again if it comes back.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -50,7 +51,6 @@ from kvtui.engines.schedule import RunControl
 from kvtui.engines.vllm.client import (
     MAX_JSON_BYTES,
     MAX_LINE_BYTES,
-    REQUEST_DEADLINE_S,
     STREAM_IDLE_S,
     Server,
     ServerError,
@@ -75,6 +75,8 @@ MAX_MODEL_LEN = 2**32
 model's, and within what a record holds."""
 PATH_MAX = 4096
 """The longest served path looked for on this machine (Linux's PATH_MAX)."""
+OPEN_DEADLINE_S = 15.0
+"""The longest the questions before a run (what it serves, the prompt's tokens) take in all."""
 SECONDS_PER_TOKEN = 2.0
 """How long a stream may take a token, on average, after its first: a stream whose every token
 comes (each within the client's STREAM_IDLE_S) but slower than this ends with an error at
@@ -131,11 +133,11 @@ def _find_config(names: list[str], model: str) -> tuple[Path | None, str]:
     return None, f"no config.json for {model} on this machine (a path, or the Hugging Face cache)"
 
 
-def read_served(url: ServerURL, deadline_s: float = REQUEST_DEADLINE_S) -> Served:
-    """Ask the server what it serves (`/v1/models`, `/version`: each within `deadline_s`) and
-    look for the model's config here; `ServerError` with one line when it does not answer as an
-    OpenAI-compatible server."""
-    server = Server(url, deadline_s)
+def read_served(url: ServerURL, *, until: float = math.inf) -> Served:
+    """Ask the server what it serves (`/v1/models`, `/version`: each within the client's
+    REQUEST_DEADLINE_S, both by `until`) and look for the model's config here; `ServerError`
+    with one line when it does not answer as an OpenAI-compatible server."""
+    server = Server(url, until=until)
     models = server.json("/v1/models")
     data = models.get("data") if isinstance(models, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
@@ -232,8 +234,9 @@ class VLLMEngine:
         as a vLLM server, or the run does not fit its model."""
         if settings.batch != 1:
             raise EngineError("vllm: streams one completion; kvtui load puts many on the server")
-        served = read_served(url)
-        server = Server(url)
+        until = time.monotonic() + OPEN_DEADLINE_S
+        served = read_served(url, until=until)
+        server = Server(url, until=until)
         text = settings.prompt or "\n"
         try:
             answer = server.json("/tokenize", {"model": served.model, "prompt": text})

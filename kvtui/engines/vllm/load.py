@@ -28,7 +28,6 @@ from typing import Any
 from kvtui.engines.roofline import PASSAGE
 from kvtui.engines.vllm.client import (
     MAX_LINE_BYTES,
-    REQUEST_DEADLINE_S,
     Server,
     ServerError,
     ServerURL,
@@ -164,15 +163,16 @@ def run_load(
     request when the plan is out of bounds, the server does not answer or the requests do not
     fit its max_model_len. `progress(result, open requests)` about once a second."""
     plan.check()
-    ask_s = min(REQUEST_DEADLINE_S, plan.seconds)  # the questions before the load: within it
-    served = read_served(plan.url, ask_s)
+    start = time.monotonic()
+    deadline = start + plan.seconds  # the questions before the load too: all within it
+    served = read_served(plan.url, until=deadline)
     limit = served.max_model_len
     if limit is not None and plan.prompt_tokens + plan.max_tokens > limit:
         raise EngineError(
             f"{plan.prompt_tokens:,} prompt + {plan.max_tokens:,} tokens is past the server's "
             f"max_model_len of {limit:,}"
         )
-    server = Server(plan.url, ask_s)
+    server = Server(plan.url, until=deadline)
     answer = server.json("/tokenize", {"model": served.model, "prompt": PASSAGE})
     base = answer.get("tokens") if isinstance(answer, dict) else None
     if not are_token_ids(base, MAX_PROMPT_TOKENS * 8):
@@ -183,8 +183,6 @@ def run_load(
     lock = threading.Lock()
     streams: set[Any] = set()
     issued = 0
-    start = time.monotonic()
-    deadline = start + plan.seconds
 
     def _note(error: str) -> None:
         if error not in result.errors and len(result.errors) < 3:
