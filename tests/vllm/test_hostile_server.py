@@ -181,6 +181,18 @@ def test_chunks_of_400_000_token_ids_stop_at_the_tokens_asked_for(serve):
     assert events[-1].reason == "done"
 
 
+def test_kvtui_load_counts_the_ids_of_a_fat_chunk(serve, capsys):
+    """kvtui load on chunks of 400,000 ids: each request is done with its first chunk, where it
+    counted such a chunk as one token and read on until the stream's bytes ran out (failed)."""
+    fat = {"choices": [{"text": "x", "token_ids": [0] * 400_000}]}
+    line = b"data: " + json.dumps(fat, separators=(",", ":")).encode() + b"\n\n"
+    server = serve(chunk=lambda i: line, forever=True, token_delay_s=0)
+    argv = ["load", server.url, "--concurrency", "2", "--prompt-tokens", "4", "--max-tokens"]
+    assert within(30, lambda: main([*argv, "64", "--requests", "2", "--json"])) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (result["done"], result["failed"], result["tokens"]) == (2, 0, 128)
+
+
 def test_kvtui_load_stops_at_its_max_tokens(serve, capsys):
     server = serve(forever=True, token_delay_s=0)
     argv = ["load", server.url, "--concurrency", "2", "--prompt-tokens", "4", "--max-tokens"]

@@ -236,7 +236,7 @@ def run_load(
                 if first is None:
                     first = time.perf_counter() - t0
                 ids = choice.get("token_ids")
-                got += len(ids) if are_token_ids(ids, MAX_NEW_TOKENS) else 1
+                got += len(ids) if are_token_ids(ids, MAX_LINE_BYTES) else 1  # a line's worth
                 stream.progress()
                 if got >= plan.max_tokens:  # its [DONE] briefly, not a token more
                     stream.wind_down()
