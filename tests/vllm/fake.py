@@ -17,6 +17,14 @@ from typing import Any
 METRICS = (Path(__file__).parents[1] / "engines" / "data" / "vllm-0.32-busy.txt").read_text()
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A server that says nothing of a client that went away mid-answer (as kvtui does when it
+    has what it asked for): socketserver prints each such error's traceback on stderr."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
+
+
 class FakeVLLM:
     """A fake server on a free loopback port: `url`, `start()`, `kill()` (the listening socket
     and every open stream closed at once, as a killed server's), `close()`.
@@ -169,7 +177,7 @@ class FakeVLLM:
                     fake.streamed.append(sent)
                     self.close_connection = True
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _QuietServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(
