@@ -21,8 +21,10 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -263,10 +265,7 @@ def try_server(scratch: Path, case: dict[str, Any], read_output: Any = None) -> 
     sys.path.insert(0, str(ROOT))
     from tests.vllm.fake import FakeVLLM
 
-    work = scratch / "server-case"
-    for leftover in work.glob("*") if work.exists() else []:
-        leftover.unlink()
-    work.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=scratch, prefix="server-case-"))  # one a case: in parallel
     lies = dict(case["lies"])
     if "chunk" in lies:
         data = lies["chunk"]
@@ -300,6 +299,7 @@ def try_server(scratch: Path, case: dict[str, Any], read_output: Any = None) -> 
     if bad:
         return bad[0]
     litter = [p.name for p in work.iterdir() if p.name.endswith(".part") or ".kvtui" in p.name]
+    shutil.rmtree(work, ignore_errors=True)
     if litter:
         return f"litter {litter[0][:40]}"
     slowest = max(run["seconds"] for run, _ in runs)
