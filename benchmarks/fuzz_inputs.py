@@ -24,11 +24,22 @@ into the app in tmux:
 - streams: commands with stdin, stdout or stderr closed, or full;
 - serve http: raw requests to a running `kvtui serve` (malformed, huge, foreign Hosts);
 - serve websocket: sessions sent malformed messages;
-- app keys: the app in tmux (100x30), sent random keys, invalid UTF-8 and the command palette.
+- app keys: the app in tmux (100x30), sent random keys, invalid UTF-8, key sequences whose numbers
+  are past any character, mouse reports far off the screen and the command palette;
+- presenter keys: the same, in presenter mode (`--present --lesson`);
+- server lies (tests/hostile_server.py): a stand-in vLLM server on 127.0.0.1 that lies in every
+  field and in how it sends it, put to `kvtui bench --engine vllm:URL` (--json, --record and the
+  record replayed) and `kvtui load URL`, each in a process of its own: timed (a hang past 170 s,
+  "slow" past 45 s), its peak RSS measured (a memory failure past 400 MiB), its folder checked
+  for litter;
+- server urls: `vllm:URL` and `kvtui load URL` given any URL (hosts loopback or invalid).
 
-An input ends in exit 0 or exit 2 (with one line on stderr), or is "shown", "answered", "closed",
-"refused" or a session that ran or ended; anything else is a failure: a traceback, a hang, another
-exit status, more than one line, or a security finding. Prints a table and the first example of
+Not swept: a server's KV-cache events (an events endpoint, msgpack): kvtui reads none yet.
+
+An input ends in exit 0 or exit 2 (with one line on stderr; kvtui load: exit 1 when requests
+failed), or is "shown", "answered", "closed", "refused" or a session that ran or ended; anything
+else is a failure: a traceback, a hang, another exit status, more than one line, a memory peak,
+litter, or a security finding. Prints a table and the first example of
 each failure; exits 1 if there was any.
 """
 
@@ -51,6 +62,7 @@ sys.path.insert(0, str(ROOT))  # tests/ holds the strategies
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 
 from tests import hostile as sweep  # noqa: E402
+from tests import hostile_server  # noqa: E402
 from tests import test_hostile_inputs as hostile  # noqa: E402
 
 OK = (
@@ -65,6 +77,7 @@ OK = (
     "alive, quit with q",
     "python refused to start",
     "quit from the palette",
+    hostile_server.FAILED_REQUESTS,
 )
 
 
@@ -82,13 +95,27 @@ class Output:
 
 
 def sweep_category(
-    strategy, try_one, examples: int, random_seed: int
+    strategy, try_one, examples: int, random_seed: int, describe=repr, workers: int = 1
 ) -> tuple[Counter, dict, float]:
     """Run `try_one` on `examples` values of `strategy`; the outcomes counted, the first value
-    of each failure, and the seconds taken."""
+    of each failure (as `describe` puts it), and the seconds taken. With `workers`, the values
+    are drawn first and tried that many at a time (inputs that mostly wait: a run each)."""
     counts: Counter = Counter()
     first: dict = {}
     output = Output()
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        drawn: list = []
+        sweep_category(strategy, lambda v, read: drawn.append(v) or "exit 0", examples, random_seed)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(workers) as pool:
+            results = pool.map(lambda v: try_one(v, None), drawn)
+            for value, result in zip(drawn, results, strict=True):
+                counts[result] += 1
+                if not fine(result) and result not in first:
+                    first[result] = describe(value)
+        return counts, first, time.perf_counter() - started
 
     @seed(random_seed)
     @settings(
@@ -103,12 +130,17 @@ def sweep_category(
         with contextlib.redirect_stdout(output.out), contextlib.redirect_stderr(output.err):
             result = try_one(value, output.read)
         counts[result] += 1
-        if result not in OK:
-            first.setdefault(result, value)
+        if not fine(result) and result not in first:
+            first[result] = describe(value)
 
     started = time.perf_counter()
     run()
     return counts, first, time.perf_counter() - started
+
+
+def fine(result: str) -> bool:
+    """Whether an outcome is as it should be ("slow, exit 0" is: a stream may be waited for)."""
+    return result.removeprefix("slow, ") in OK or result.startswith("refused")
 
 
 TMUX = ["tmux", "-L", f"kvtui-sweep-{os.getpid()}"]
@@ -124,7 +156,9 @@ def pane(session: str) -> str:
     ).stdout
 
 
-def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, float]:
+def app_keys(
+    runs: int, keys: int, random_seed: int, options: tuple[str, ...] = ()
+) -> tuple[Counter, dict, float]:
     """The app in tmux at 100x30, sent `keys` random keys per run (letters, arrows, page keys,
     the palette, bytes that are not UTF-8), then q: "alive, quit with q" when it was still up,
     quit with exit 0, left no engine and showed no traceback."""
@@ -181,7 +215,20 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
         "F1",
         "C-l",
     ]
-    hexes = ["ff", "fe", "c0 af", "e1", "80", "ed a0 80", "f8 88 80 80 80", "1b 5b 39 39 39 39 7e"]
+    hexes = [
+        "ff",
+        "fe",
+        "c0 af",
+        "e1",
+        "80",
+        "ed a0 80",
+        "f8 88 80 80 80",
+        "1b 5b 39 39 39 39 7e",
+        " ".join(f"{b:02x}" for b in b"\x1b[1000000000000000000A"),  # a cursor move of 10^18
+        " ".join(f"{b:02x}" for b in b"\x1b[1114112u"),  # a key past the last character
+        " ".join(f"{b:02x}" for b in b"\x1b[<0;9999;9999M"),  # a click far off the screen
+        " ".join(f"{b:02x}" for b in b"\x1b[<35;99999999999999999999;1M"),
+    ]
     for run in range(runs):
         session = f"robust-sweep-{os.getpid()}-{run}"
         with tempfile.TemporaryDirectory() as scratch:
@@ -195,6 +242,7 @@ def app_keys(runs: int, keys: int, random_seed: int) -> tuple[Counter, dict, flo
                     "sim:llama-3.1-8b@h100",
                     "--tokens",
                     "4096",
+                    *options,
                 ]
             )
             # In the scratch folder, with it as home: a Screenshot the keys choose lands there.
@@ -331,16 +379,38 @@ def main() -> int:
                 lambda v, read: sweep.try_websocket(server(), v),
                 max(20, n // 40),
             ),
+            "server lies": (
+                hostile_server.server_lies(),
+                lambda v, read: hostile_server.try_server(folder, v),
+                max(30, n // 2),
+            ),
+            "server urls": (
+                hostile_server.server_urls(),
+                lambda v, read: hostile_server.try_url(v, read),
+                n,
+            ),
         }
-        chosen = args.only or [*categories, "app keys"]
+        described = {"server lies": hostile_server.shown}
+        chosen = args.only or [*categories, "app keys", "presenter keys"]
         results = {}
         try:
             for name in chosen:
                 if name == "app keys":
                     counts, first, seconds = app_keys(max(4, n // 125), 500, args.seed)
+                elif name == "presenter keys":
+                    counts, first, seconds = app_keys(
+                        max(4, n // 250), 500, args.seed + 1, ("--present", "--lesson")
+                    )
                 else:
                     strategy, try_one, examples = categories[name]
-                    counts, first, seconds = sweep_category(strategy, try_one, examples, args.seed)
+                    counts, first, seconds = sweep_category(
+                        strategy,
+                        try_one,
+                        examples,
+                        args.seed,
+                        described.get(name, repr),
+                        workers=4 if name == "server lies" else 1,
+                    )
                 results[name] = {"counts": dict(counts), "first": first, "seconds": seconds}
                 print(f"{name}: {dict(counts)} ({seconds:.0f} s)", file=sys.stderr, flush=True)
         finally:
@@ -350,8 +420,13 @@ def main() -> int:
                 results.setdefault("serve log", {"lines": len(log), "last": log[-5:]})
 
     print(f"{n:,} examples per cheap category, seed {args.seed}\n")
-    head = ("category", "inputs", "fine", "tracebacks", "hangs", "wrong exit", "lines", "security")
-    print("{:<16} {:>7} {:>7} {:>11} {:>6} {:>11} {:>6} {:>9}  {:>7}".format(*head, "seconds"))
+    head = ("category", "inputs", "fine", "tracebacks", "hangs", "wrong exit", "lines")
+    head += ("memory", "litter", "security", "slow")
+    print(
+        "{:<16} {:>7} {:>7} {:>11} {:>6} {:>11} {:>6} {:>7} {:>7} {:>9} {:>5}  {:>7}".format(
+            *head, "seconds"
+        )
+    )
     failed = False
     for name, result in results.items():
         if "counts" not in result:
@@ -361,12 +436,17 @@ def main() -> int:
         hangs = sum(v for k, v in c.items() if k in ("hang", "hang on quit"))
         security = sum(v for k, v in c.items() if k.startswith("security"))
         lines = sum(v for k, v in c.items() if k.endswith("lines"))
-        fine = sum(v for k, v in c.items() if k in OK or k.startswith("refused"))
-        wrong = sum(c.values()) - fine - tracebacks - hangs - security - lines
-        failed = failed or bool(tracebacks or hangs or wrong or lines or security)
+        memory = sum(v for k, v in c.items() if k.startswith("memory"))
+        litter = sum(v for k, v in c.items() if k.startswith("litter"))
+        slow = sum(v for k, v in c.items() if k.startswith("slow") and fine(k))
+        ok = sum(v for k, v in c.items() if fine(k))
+        wrong = sum(c.values()) - ok - tracebacks - hangs - security - lines - memory - litter
+        failed = failed or bool(tracebacks or hangs or wrong or lines or security or memory)
+        failed = failed or bool(litter)
         print(
-            f"{name:<16} {sum(c.values()):>7,} {fine:>7,} {tracebacks:>11,} {hangs:>6,} "
-            f"{wrong:>11,} {lines:>6,} {security:>9,}  {result['seconds']:>7.1f}"
+            f"{name:<16} {sum(c.values()):>7,} {ok:>7,} {tracebacks:>11,} {hangs:>6,} "
+            f"{wrong:>11,} {lines:>6,} {memory:>7,} {litter:>7,} {security:>9,} {slow:>5,}  "
+            f"{result['seconds']:>7.1f}"
         )
     for name, result in results.items():
         if "counts" in result:
@@ -375,15 +455,14 @@ def main() -> int:
             )
     for name, result in results.items():
         for what, value in result.get("first", {}).items():
-            shown = value if name == "app keys" else repr(value)[:300]
-            print(f"\n{name}: {what}\n  first input: {shown}")
+            print(f"\n{name}: {what}\n  first input: {str(value)[:400]}")
     if "serve log" in results:
         print(f"\nkvtui serve wrote {results['serve log']['lines']:,} lines in all; the last:")
         for line in results["serve log"]["last"]:
             print(f"  {line[:160]}")
     if args.out:
         summary = {
-            name: {"counts": r["counts"], "seconds": r["seconds"]}
+            name: {"counts": r["counts"], "seconds": r["seconds"], "first": r["first"]}
             for name, r in results.items()
             if "counts" in r
         }

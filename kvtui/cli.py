@@ -18,8 +18,9 @@ import contextlib
 import errno
 import io
 import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -52,6 +53,12 @@ from kvtui.sim.tricks import QUALITY_BYTES
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
+"""128 + SIGTERM: a command SIGTERM ended after its own cleanup (`_terminate_as_interrupt`)."""
+CLEAN_ON_TERMINATE = ("bench", "tricks", "export-hf", "load")
+"""The commands that write a file whole or not at all, or hold requests open on a server: a
+SIGTERM (`timeout`, a supervisor, a closed session) ends them as Ctrl-C does, through their own
+cleanup (a record kept whole, no temporary file or folder left, the requests closed)."""
 """Ctrl-C, as a shell reports it (128 + SIGINT)."""
 
 
@@ -420,10 +427,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(ValueError, io.UnsupportedOperation):
             sys.stdout.reconfigure(errors="backslashreplace")
     parser = build_parser()
+    terminated: list[int] = []
     try:
         args = parser.parse_args(argv)
         handler = getattr(args, "handler", None) or cmd_app
-        code = handler(args)
+        with _terminate_as_interrupt(args.command in CLEAN_ON_TERMINATE, terminated):
+            code = handler(args)
         _flush_stdout()
         return code
     except UsageError as exc:
@@ -434,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt as exc:
         _say(f"kvtui: {exc}" if str(exc) else "kvtui: interrupted")
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     except BrokenPipeError:  # `kvtui bench | head`: the reader left, nothing more to say
         _abandon_stdout()
         return 0
@@ -458,6 +467,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say(f"kvtui: error: cannot write the output: {error}")
             return EXIT_USAGE
         return exc.code if isinstance(exc.code, int) else 0
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt(enabled: bool, terminated: list[int]) -> Iterator[None]:
+    """While it holds (and `enabled`), SIGTERM raises KeyboardInterrupt in the main thread, as
+    Ctrl-C does, so that the command's own cleanup runs (Python's default ends the process at
+    once: a record's `.part` file or an export's scratch folder stayed behind); `terminated`
+    gets the signal's number."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        terminated.append(signum)
+        raise KeyboardInterrupt("terminated")
+
+    try:
+        before = signal.signal(signal.SIGTERM, interrupt) if enabled else None
+    except ValueError:  # not the main thread (a test calling main): left as it is
+        before = None
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 _OUTPUT_ERRNOS = {errno.ENOSPC, errno.EBADF, errno.EIO, errno.EFBIG, errno.EDQUOT}

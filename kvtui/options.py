@@ -25,7 +25,7 @@ from kvtui.format import (
     format_bytes,
     parse_bytes,
 )
-from kvtui.inputs import InputError, argv_text, output_file
+from kvtui.inputs import InputError, argv_text, output_file, user_path
 from kvtui.paths import HELDOUT_BYTES
 from kvtui.sim.catalog import UnknownNameError, normalize_dtype
 from kvtui.sim.hf_config import MAX_SIZE
@@ -215,6 +215,17 @@ def output_path(text: str) -> Path:
     """An argparse type: a file to write (kvtui.inputs.output_file), one line if it cannot be."""
     try:
         return output_file(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def folder_path(text: str) -> Path:
+    """An argparse type: a folder to write, as a person typed it (kvtui.inputs.user_path), not
+    empty: `Path("")` is the current folder, which an empty argument (`DIR=` unset) never means."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names no folder (. is this one)")
+    try:
+        return user_path(text)
     except InputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 from kvtui.engines.protocol import RunSettings
 from kvtui.errors import EngineError
 from kvtui.format import error_line, safe_text
-from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, positive_int
+from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, int_in
 from kvtui.run.process import CHILD_CWD, absolute_paths, child_command
 
 DEFAULT_HOST = "127.0.0.1"
@@ -48,6 +48,9 @@ DEFAULT_PORT = 8000
 PAGES = Path(__file__).parent / "templates"
 DEFAULT_MAX_SESSIONS = 4
 """Tabs served at once; each one is an app process and a decode engine process."""
+MAX_SESSIONS = 64
+"""The most `--max-sessions` takes: 128 processes, each engine a few hundred MB (a room of
+laptops, not a fleet)."""
 
 STOP_GRACE_SECONDS = 3.0
 """How long a closed tab's app and engine get to exit by themselves before they are killed."""
@@ -56,17 +59,6 @@ INSTALL_HINT = "pip install 'kvtui[serve]'"
 
 
 # --- the command line ----------------------------------------------------------------------------
-
-
-def port_number(text: str) -> int:
-    """An argparse type: a TCP port, 1 to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, not {text!r}")
-    return value
 
 
 def add_parser(subparsers: Any) -> None:
@@ -82,14 +74,16 @@ def add_parser(subparsers: Any) -> None:
         default=DEFAULT_HOST,
         help=f"the address to listen on (default {DEFAULT_HOST}, this machine only)",
     )
-    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
+    p.add_argument(
+        "--port", type=int_in(1, 65535), default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}"
+    )
     p.add_argument(
         "--max-sessions",
-        type=positive_int,
+        type=int_in(1, MAX_SESSIONS),
         default=DEFAULT_MAX_SESSIONS,
         metavar="N",
         help=f"tabs served at once, each an app and an engine process (default "
-        f"{DEFAULT_MAX_SESSIONS})",
+        f"{DEFAULT_MAX_SESSIONS}, at most {MAX_SESSIONS})",
     )
     add_run_options(p.add_argument_group("app options (as for kvtui)"), app=True)
     p.set_defaults(handler=cmd_serve)

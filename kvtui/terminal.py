@@ -4,6 +4,10 @@ Textual itself does not survive, each guarded here, at kvtui's edge, until Textu
 - Bytes that are not UTF-8 (a terminal sending Alt as 8-bit meta; `tmux send-keys -H ff`) end
   Textual's Linux driver's input thread with a UnicodeDecodeError, and the app with it
   (textual#6456): `TolerantLinuxDriver` reads on past them.
+- A key sequence whose number is past what a character can be (`ESC [ 1000000000000000000 A`, a
+  cursor move of 10^18 rows; `ESC [ 1114112 u`) ends the same thread with an OverflowError or a
+  ValueError from `chr()` in Textual's parser (`XTermParser._parse_extended_key`):
+  `TolerantXTermParser` drops such a sequence, and the driver reads on.
 - A page key in the command palette while its list has no height yet raises KeyError in
   `OptionList._move_page`, and a selection that reaches it twice dismisses it twice (popping
   another screen, or raising ScreenStackError): `CommandPalette` lets such keys do nothing.
@@ -26,7 +30,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from textual import command, constants
+from textual import command, constants, events
+from textual._xterm_parser import XTermParser
 from textual.await_complete import AwaitComplete
 from textual.binding import Binding
 from textual.driver import Driver
@@ -44,21 +49,43 @@ def _replacing_decoder(encoding: str) -> Callable[[], codecs.IncrementalDecoder]
     return functools.partial(codecs.getincrementaldecoder(encoding), errors="replace")
 
 
+DROPPED_KEY = "kvtui_dropped_sequence"
+"""The key a sequence Textual's parser cannot take becomes: bound to nothing."""
+
+
+class TolerantXTermParser(XTermParser):
+    """Textual's parser of terminal input, dropping a key sequence whose numbers are out of any
+    range (`ESC [ 1000000000000000000 A`): Textual's turns the number into a character with
+    `chr()`, which raises OverflowError or ValueError, and that ends the input thread."""
+
+    def _parse_extended_key(self, sequence: str) -> list[events.Key] | None:  # type: ignore[override]
+        try:
+            return super()._parse_extended_key(sequence)
+        except (OverflowError, ValueError):
+            # One key bound to nothing and typing nothing: the sequence is taken whole (no key
+            # at all would have Textual read on and re-send its characters as keys: its digits
+            # would switch screens).
+            return [events.Key(DROPPED_KEY, None)]
+
+
 class TolerantLinuxDriver(LinuxDriver):
-    """Textual's Linux driver, reading on past bytes that are not UTF-8.
+    """Textual's Linux driver, reading on past bytes that are not UTF-8 and key sequences
+    Textual's parser cannot take.
 
     Textual decodes the terminal's input strictly, so one such byte raises UnicodeDecodeError in
     its input thread, which ends the app (textual#6456). Its input thread makes its decoder with
     the module's `getincrementaldecoder`: here that makes one that puts U+FFFD instead (a key
-    bound to nothing), the fix proposed upstream. Should Textual stop making its decoder so, the
-    thread starts reading again after the error: what came in the same read is dropped."""
+    bound to nothing), the fix proposed upstream; and its parser with the module's
+    `XTermParser`: here `TolerantXTermParser`. Should Textual stop making either so, the thread
+    starts reading again after the error: what came in the same read is dropped."""
 
     def run_input_thread(self) -> None:
         linux_driver.getincrementaldecoder = _replacing_decoder  # type: ignore[attr-defined, assignment]
+        linux_driver.XTermParser = TolerantXTermParser  # type: ignore[attr-defined]
         while True:
             try:
                 super().run_input_thread()
-            except UnicodeDecodeError:
+            except (ValueError, OverflowError):  # UnicodeDecodeError is a ValueError
                 continue
             return
 

@@ -80,7 +80,9 @@ def made(monkeypatch):
 
 @pytest.mark.parametrize("port", ["0", "70000", "-1", "http"])
 def test_a_port_out_of_range_is_one_line(capsys, port):
-    assert_usage_error(capsys, "serve", "--port", port, says="expected a port from 1 to 65535")
+    assert_usage_error(
+        capsys, "serve", "--port", port, says="expected a positive integer up to 65,535"
+    )
 
 
 def test_a_port_in_use_is_one_line(capsys, made):
@@ -105,6 +107,17 @@ def test_without_the_extra_it_says_how_to_install_it(capsys, monkeypatch, made):
     monkeypatch.setitem(sys.modules, "textual_serve", None)
     monkeypatch.setitem(sys.modules, "textual_serve.server", None)
     assert_usage_error(capsys, "serve", "--engine", ENGINE, says="pip install 'kvtui[serve]'")
+
+
+def test_max_sessions_is_capped(capsys, made):
+    """`--max-sessions` past MAX_SESSIONS (two processes a tab) is refused in one line, where
+    1 followed by 30 zeros was taken: no cap on the processes a server starts."""
+    for many in ("1" + "0" * 30, "65"):
+        argv = ["serve", "--port", str(free_port()), "--max-sessions", many, "--engine", ENGINE]
+        assert_usage_error(
+            capsys, *argv, says="argument --max-sessions: expected a positive integer up to 64"
+        )
+    assert made == []
 
 
 def test_a_bad_engine_is_refused_before_serving(capsys, made):

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvtui import serve
-from tests import hostile
+from tests import hostile, hostile_server
 from tests.test_hostile_inputs import try_record
 
 SEEDED = settings(
@@ -74,3 +74,11 @@ def test_fuzz_serve_requests(requests):
     for answer in answers:
         status = answer.split(b"\r\n", 1)[0]
         assert not status.endswith(b" 200 OK") or b"Index of" not in answer
+
+
+@SEEDED
+@given(value=hostile_server.server_urls())
+def test_fuzz_server_urls(capsys, value):
+    """`vllm:URL` and `kvtui load URL` given URLs of any shape (hosts loopback or invalid): one
+    line and exit 2 (refused, or nothing listening), never a traceback."""
+    assert hostile_server.try_url(value, capsys.readouterr) == "exit 2"

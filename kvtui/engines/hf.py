@@ -21,6 +21,7 @@ same config.json, the reader `kvtui budget --config` uses.
 from __future__ import annotations
 
 import gc
+import logging as std_logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -73,19 +74,32 @@ def _one_line(exc: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+LIBRARY_LOGGERS = ("kernels", "huggingface_hub")
+"""The loggers of the libraries transformers calls while loading, quietened with its own: a config
+asking for `flash_attention_2` has `kernels` say "Skipping publisher trust check ... offline mode"
+on stderr before transformers refuses it (kvtui's refusal is then a second line)."""
+
+
 @contextmanager
 def _quiet(transformers: Any) -> Iterator[None]:
-    """transformers' warnings and progress bars off while loading: errors are ours to report."""
+    """transformers' warnings and progress bars off while loading, and the warnings of the
+    libraries it calls (LIBRARY_LOGGERS): errors are ours to report, in one line."""
     logging = transformers.utils.logging
     level, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    loggers = [std_logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    levels = [logger.level for logger in loggers]
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    for logger in loggers:
+        logger.setLevel(std_logging.ERROR)
     try:
         yield
     finally:
         logging.set_verbosity(level)
         if bars:
             logging.enable_progress_bar()
+        for logger, was in zip(loggers, levels, strict=True):
+            logger.setLevel(was)
 
 
 def _read_config(directory: Path) -> dict[str, Any]:

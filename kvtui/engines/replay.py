@@ -12,6 +12,9 @@ most 1 MiB, every event of its declared types (kvtui.engines.protocol), in the o
 them (one `started` first; each loop's steps numbered 0, 1, 2... at the positions after the
 prompt; at most one `finished` per loop, after its steps), with at least one step, no step longer
 than an hour (a replay sleeps each step's time) and no more steps than `MAX_TOKENS` per loop.
+Every string a record holds (a model's name, a loop's message, a step's text) is made safe as it
+is read (kvtui.format.safe_text: control characters written as escapes, newlines too except in
+generated text, `TEXT_FIELDS`), since a record is a file anyone may hand over.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from kvtui.engines.capabilities import REPLAY
 from kvtui.engines.protocol import (
@@ -40,6 +43,7 @@ from kvtui.engines.protocol import (
     to_json,
 )
 from kvtui.errors import EngineError
+from kvtui.format import safe_text
 from kvtui.inputs import MIB, InputError, parse_json, read_lines
 
 FORMAT, VERSION = "kvtui-record", 1
@@ -99,7 +103,7 @@ def read_record(path: Path) -> tuple[dict[str, Any], list[Event]]:
                 if not line.strip():
                     continue
                 try:
-                    event = event_from_json(parse_json(line))
+                    event = safe_strings(event_from_json(parse_json(line)))
                 except ValueError as exc:
                     raise EngineError(f"{path}, line {number}: corrupt record ({exc})") from None
                 order.check(number, event)
@@ -108,6 +112,36 @@ def read_record(path: Path) -> tuple[dict[str, Any], list[Event]]:
         raise EngineError(str(exc)) from None
     order.finish()
     return header, events
+
+
+TEXT_FIELDS = frozenset({"text", "prompt_text", "prompt_pieces", "prompt"})
+"""The fields of an event (and of the run's settings) that hold generated or prompt text: their
+newlines and tabs are kept. Every other string is one line."""
+
+_Safe = TypeVar("_Safe")
+
+
+def safe_strings(data: _Safe) -> _Safe:
+    """An event (or the run's settings) with every string field, and each string of a tuple
+    field, made safe to draw and print: `safe_text`, one line unless the field is one of
+    TEXT_FIELDS. The same object when nothing needed it."""
+    changes: dict[str, Any] = {}
+    for f in fields(data):  # type: ignore[arg-type]
+        if not f.init:
+            continue
+        value = getattr(data, f.name)
+        one_line = f.name not in TEXT_FIELDS
+        if isinstance(value, str):
+            safe: Any = safe_text(value, one_line=one_line)
+        elif isinstance(value, tuple) and any(isinstance(v, str) for v in value):
+            safe = tuple(
+                safe_text(v, one_line=one_line) if isinstance(v, str) else v for v in value
+            )
+        else:
+            continue
+        if safe != value:
+            changes[f.name] = safe
+    return replace(data, **changes) if changes else data  # type: ignore[type-var]
 
 
 def _read_header(path: Path, line: str) -> dict[str, Any]:
@@ -241,7 +275,7 @@ class ReplayEngine:
         upgrade: Callable[[RunStarted], RunStarted] = as_written,
     ) -> ReplayEngine:
         header, events = read_record(path)
-        recorded = RunSettings.from_json(header.get("settings", {}))  # checked by read_record
+        recorded = safe_strings(RunSettings.from_json(header.get("settings", {})))  # checked
         # What ran is what was recorded; only the pace is the caller's.
         merged = replace(recorded, engine=settings.engine, replay_speed=settings.replay_speed)
         return cls(merged, header, events, upgrade)

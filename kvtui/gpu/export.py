@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ EXPORT_FILES = (
     "tokenizer_config.json",
     "README.md",
 )
-"""What an export writes: replaced one by one with `--force`, nothing else in DIR touched."""
+"""What an export writes: replaced all together with `--force`, nothing else in DIR touched."""
 
 
 class ExportError(EngineError):
@@ -214,7 +215,15 @@ def read_shipped() -> tuple[dict[str, Tensor], ModelArgs, dict[str, str]]:
 
 def check_target(directory: Path, force: bool) -> None:
     """`ExportError` (one line) for a DIR an export must not write to: a link, a file, a folder
-    that is not empty (unless `force`) or cannot be written, or a parent that is not a folder."""
+    that is not empty (unless `force`) or cannot be written, one holding a non-file where an
+    export's file goes (`force` replaces files only), or a parent that is not a folder."""
+    try:
+        _check_target(directory, force)
+    except OSError as exc:  # a name too long, a loop of links, no permission to look
+        raise ExportError(f"cannot write {directory}: {_reason(exc)}") from None
+
+
+def _check_target(directory: Path, force: bool) -> None:
     if directory.is_symlink():
         raise ExportError(f"{directory} is a symbolic link; give the folder itself")
     if directory.exists():
@@ -230,6 +239,12 @@ def check_target(directory: Path, force: bool) -> None:
             )
         if not os.access(directory, os.W_OK | os.X_OK):
             raise ExportError(f"{directory} is not writable")
+        for name in EXPORT_FILES:
+            target = directory / name
+            if os.path.lexists(target) and (target.is_symlink() or not target.is_file()):
+                raise ExportError(
+                    f"{target} is not a regular file (--force replaces the export's files only)"
+                )
         return
     parent = directory.absolute().parent
     while not parent.exists() and parent != parent.parent:
@@ -240,11 +255,22 @@ def check_target(directory: Path, force: bool) -> None:
         raise ExportError(f"cannot make {directory}: {parent} is not writable")
 
 
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+SCRATCH_PREFIX = ".kvtui-export-"
+"""The folder an export is written into before it takes its place (removed in every case)."""
+
+
 def export_hf(directory: Path, *, force: bool = False) -> Export:
     """Write the shipped model into `directory` as a Hugging Face Llama checkpoint (see the
-    module's docstring). Every file is written to a temporary name beside it and renamed into
-    place, so a failed export leaves no half-written file. `ExportError` with one line when the
-    target is refused (`check_target`) or a write fails."""
+    module's docstring), whole or not at all: the files are written into a scratch folder, which
+    then takes the place of a new (or empty) DIR in one rename; with `force`, into a DIR that
+    holds other files, the export's old files are set aside, the new ones renamed in, and on any
+    failure or interrupt the old ones put back. `ExportError` with one line when the target is
+    refused (`check_target`) or a write fails; the scratch folder, and the folders the export
+    made, are removed whatever happens."""
     check_target(directory, force)
     state, args, metadata = read_shipped()
     widened = {name: t.to(torch.float32) for name, t in state.items()}  # fp16, exactly
@@ -257,29 +283,81 @@ def export_hf(directory: Path, *, force: bool = False) -> Export:
         "tokenizer_config.json": tokenizer_config(args.max_positions),
         "README.md": _model_card(args, metadata, params),
     }
-    # The folders this export makes, deepest first: removed again if it fails.
-    made = [
-        p for p in (directory.absolute(), *directory.absolute().parents) if not os.path.lexists(p)
-    ]
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory, prefix=".kvtui-export-") as scratch:
-            staged = Path(scratch)
-            save_file(tensors, staged / "model.safetensors", metadata={"format": "pt"})
-            for name, content in contents.items():
-                text = content if isinstance(content, str) else json.dumps(content, indent=2)
-                (staged / name).write_text(text + "\n", encoding="utf-8")
-            for name in EXPORT_FILES:
-                os.chmod(staged / name, 0o644)  # the scratch folder's files are private
-                os.replace(staged / name, directory / name)  # a folder of that name: refused
+        if directory.is_dir() and next(os.scandir(directory), None) is not None:
+            _write_among(directory, tensors, contents)
+        else:
+            _write_new(directory, tensors, contents)
     except (OSError, SafetensorError) as exc:  # safetensors' own for a failed write
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        why = _reason(exc) if isinstance(exc, OSError) else str(exc)
         raise ExportError(f"cannot write {directory}: {why}") from None
     size = (directory / "model.safetensors").stat().st_size
     return Export(directory, EXPORT_FILES, params, size)
+
+
+def _stage(scratch: Path, tensors: dict[str, Tensor], contents: dict[str, Any]) -> None:
+    """Every file of the export, written into `scratch`."""
+    save_file(tensors, scratch / "model.safetensors", metadata={"format": "pt"})
+    for name, content in contents.items():
+        text = content if isinstance(content, str) else json.dumps(content, indent=2)
+        (scratch / name).write_text(text + "\n", encoding="utf-8")
+    for name in EXPORT_FILES:
+        os.chmod(scratch / name, 0o644)
+
+
+def _write_new(directory: Path, tensors: dict[str, Tensor], contents: dict[str, Any]) -> None:
+    """The export written beside DIR, then renamed onto it (DIR missing, or an empty folder)."""
+    parent = directory.absolute().parent
+    # The folders this export makes, deepest first: removed again if it fails.
+    made = [p for p in (parent, *parent.parents) if not os.path.lexists(p)]
+    scratch: Path | None = None
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(dir=parent, prefix=SCRATCH_PREFIX))
+        _stage(scratch, tensors, contents)
+        os.chmod(scratch, 0o755)  # mkdtemp's folder is private; DIR is not
+        os.rename(scratch, directory)  # onto nothing, or an empty folder: all at once
+        scratch = None
+    except BaseException:  # an interrupt too: nothing of the export is left
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _write_among(directory: Path, tensors: dict[str, Tensor], contents: dict[str, Any]) -> None:
+    """The export written into a DIR that holds other files (`--force`): staged inside it, the
+    old export's files set aside, the new ones renamed in; put back as they were on any failure
+    (an interrupt too). The other files are never touched."""
+    scratch = Path(tempfile.mkdtemp(dir=directory, prefix=SCRATCH_PREFIX))
+    old = scratch / "old"
+    set_aside: list[str] = []
+    placed: list[str] = []
+    try:
+        _stage(scratch, tensors, contents)
+        old.mkdir()
+        for name in EXPORT_FILES:  # each a regular file or absent (check_target)
+            if os.path.lexists(directory / name):
+                os.rename(directory / name, old / name)
+                set_aside.append(name)
+        for name in EXPORT_FILES:
+            os.rename(scratch / name, directory / name)
+            placed.append(name)
+        set_aside.clear()  # the new export is in place: the old files go with the scratch folder
+    except BaseException:
+        for name in placed:
+            with contextlib.suppress(OSError):
+                os.unlink(directory / name)
+        for name in list(set_aside):
+            with contextlib.suppress(OSError):
+                os.rename(old / name, directory / name)
+                set_aside.remove(name)
+        raise
+    finally:
+        if not set_aside:  # else an old file could not be put back: it stays in the scratch
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _model_card(args: ModelArgs, metadata: dict[str, str], params: int) -> str:

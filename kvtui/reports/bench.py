@@ -303,9 +303,13 @@ def run_bench(
     failed = [f.message or f"the {f.loop} loop failed" for f in finished if f.reason == "error"]
     if failed or not any(collected.steps(loop) for loop in collected.run.loops):
         messages = [f.message for f in finished if f.message]
-        if recording:  # a run that failed measured nothing worth replaying
+        error = (failed or messages or ["the run produced no steps"])[0]
+        if recording and any(collected.steps(loop) for loop in collected.run.loops):
+            recording.commit()  # a server that died mid-run: what it measured before is kept
+            raise EngineError(f"{error}; the steps before are recorded to {record}")
+        if recording:
             recording.discard()
-        raise EngineError((failed or messages or ["the run produced no steps"])[0])
+        raise EngineError(error)
     if recording:
         recording.commit()
     return summarize(collected, settings)

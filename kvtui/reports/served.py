@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 from kvtui.errors import EngineError
 from kvtui.format import format_bytes, format_int, safe_text
-from kvtui.options import UsageError, float_in, int_in
+from kvtui.options import UsageError, float_in, folder_path, int_in
 from kvtui.reports.sim import print_json
 
 
@@ -48,7 +47,9 @@ def add_export_hf(subparsers: Any) -> None:
         "config.json, model.safetensors (float32) and a byte-level tokenizer whose ids are the "
         "bytes, so that transformers and vLLM run the model kvtui runs, with the same greedy ids.",
     )
-    p.add_argument("directory", type=Path, metavar="DIR", help="where to write it (made if new)")
+    p.add_argument(
+        "directory", type=folder_path, metavar="DIR", help="where to write it (made if new)"
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -58,7 +59,9 @@ def add_export_hf(subparsers: Any) -> None:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    """`kvtui load URL`: a bounded load on a server; a summary, or `--json`."""
+    """`kvtui load URL`: a bounded load on a server; a summary, or `--json`. Exit status 1 when
+    a request failed (the server refused it, or answered what is not a completion), 0 when each
+    was done or cut at the time limit."""
     from kvtui.engines.vllm.client import ServerURL
     from kvtui.engines.vllm.load import LoadPlan, format_result, run_load
 
@@ -103,7 +106,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         print_json(result.to_json())
     else:
         print(safe_text(format_result(result)))
-    return 0
+    return 1 if result.failed else 0
 
 
 def add_load(subparsers: Any) -> None:
@@ -122,7 +125,7 @@ def add_load(subparsers: Any) -> None:
         description="N requests at a time of P prompt tokens and T generated tokens each "
         "(end-of-sequence ignored), to a vLLM (OpenAI-compatible) server: it fills the server's "
         "KV cache, and past it requests wait and are preempted. Stops after --requests or "
-        "--seconds, whichever comes first.",
+        "--seconds, whichever comes first. Exit status 1 when a request failed.",
     )
     p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument(

@@ -167,12 +167,8 @@ class CacheGrid(Widget):
         if p.row_bytes:
             half = format_bytes(p.row_bytes / 2)
             split = [f"a row: K {half} + V {half}"]
-        variants = [
-            " · ".join([*b, *k, *how])
-            for b in ([blocks[0]], [blocks[-1]], [])
-            if blocks or not b
-            for k in (split, [])
-        ]
+        shorter = [[blocks[0]], [blocks[-1]]] if blocks else []  # none: the engine has no pool
+        variants = [" · ".join([*b, *k, *how]) for b in [*shorter, []] for k in (split, [])]
         self.border_subtitle = fit([v for v in variants if v], room)
 
     def render(self) -> RenderableType:

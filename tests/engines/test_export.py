@@ -149,3 +149,102 @@ def test_export_hf_onto_a_disk_that_fills_says_so_in_one_line_and_leaves_nothing
     assert done.returncode == 2, done.stderr
     assert f"cannot write {target}" in done.stderr and done.stderr.count("\n") == 1
     assert not (tmp_path / "new").exists()
+
+
+def test_export_hf_refuses_an_empty_path_in_one_line(tmp_path, capsys, monkeypatch):
+    """`export-hf ''` (a variable left unset): `Path("")` is the current folder, where the export
+    wrote its files; an empty path is refused."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["export-hf", ""]) == 2
+    err = capsys.readouterr().err
+    assert "an empty path names no folder" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name", ["x" * 300, "x" * 300 + "/sub", "sub/" + "x" * 300], ids=["name", "parent", "child"]
+)
+def test_export_hf_onto_a_name_too_long_is_one_line(tmp_path, capsys, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    assert main(["export-hf", name]) == 2
+    err = capsys.readouterr().err
+    assert "a name of 300 bytes" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _old_export(target):
+    """A folder holding an older export's files (each saying "old") and a file of the user's."""
+    target.mkdir()
+    for name in EXPORT_FILES:
+        (target / name).write_text("old")
+    (target / "notes.txt").write_text("mine")
+
+
+def _unchanged(target) -> bool:
+    names = sorted(p.name for p in target.iterdir())
+    return names == sorted([*EXPORT_FILES, "notes.txt"]) and all(
+        (target / name).read_text() == ("mine" if name == "notes.txt" else "old") for name in names
+    )
+
+
+def test_export_hf_force_onto_a_folder_where_a_file_goes_changes_nothing(tmp_path, capsys):
+    """--force where `model.safetensors` is a folder: refused before anything is written, where
+    config.json was replaced and then the export failed, leaving old and new files mixed."""
+    target = tmp_path / "target"
+    _old_export(target)
+    (target / "model.safetensors").unlink()
+    (target / "model.safetensors").mkdir()
+    assert main(["export-hf", str(target), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors is not a regular file" in err and err.count("\n") == 1
+    assert (target / "config.json").read_text() == "old"
+    assert (target / "model.safetensors").is_dir()
+    assert not list(target.glob(".kvtui-export-*"))
+
+
+class _Interrupt:
+    """`os.rename` that raises KeyboardInterrupt (Ctrl-C, or SIGTERM through the command line) on
+    its `at`-th call, after doing nothing."""
+
+    def __init__(self, at: int) -> None:
+        import os
+
+        self.at, self.calls, self.rename = at, 0, os.rename
+
+    def __call__(self, source, target) -> None:
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        self.rename(source, target)
+
+
+@pytest.mark.parametrize("at", [1, 4, 7, 9])  # set aside: 1-6; placed: 7-12
+def test_export_hf_force_interrupted_puts_the_old_export_back(tmp_path, capsys, monkeypatch, at):
+    """An interrupt while a --force export replaces the old one's files leaves the old ones, all
+    of them, and no scratch folder: the export is whole or not there."""
+    import kvtui.gpu.export
+
+    target = tmp_path / "target"
+    _old_export(target)
+    monkeypatch.setattr(kvtui.gpu.export.os, "rename", _Interrupt(at))
+    assert main(["export-hf", str(target), "--force"]) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert _unchanged(target), sorted(p.name for p in target.iterdir())
+
+
+@pytest.mark.parametrize("where", ["writing", "renaming"])
+def test_export_hf_interrupted_leaves_nothing(tmp_path, capsys, monkeypatch, where):
+    """An interrupt while a new export is written (or as it takes its place) leaves no folder
+    and no `.kvtui-export-*` scratch beside it."""
+    import kvtui.gpu.export
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    name = "save_file" if where == "writing" else "os.rename"
+    if where == "writing":
+        monkeypatch.setattr(kvtui.gpu.export, "save_file", interrupted)
+    else:
+        monkeypatch.setattr(kvtui.gpu.export.os, "rename", _Interrupt(1))
+    assert main(["export-hf", str(tmp_path / "new" / "tiny")]) == 130, name
+    assert list(tmp_path.iterdir()) == []

@@ -126,3 +126,19 @@ def test_a_forward_that_fails_mid_run_is_one_line(llama, capsys, monkeypatch):
     monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", failing)
     err = refused(capsys, llama)
     assert "loop failed at step" in err and "RuntimeError: The size of tensor a" in err
+
+
+def test_flash_attention_asked_for_is_one_line(llama, tmp_path):
+    """A config.json asking for `flash_attention_2` (not installed here) is refused in one line,
+    transformers' reason, where the `kernels` library it calls first said "Skipping publisher
+    trust check ... offline mode" on stderr (logging's last-resort handler: a subprocess, since
+    pytest's own log handler would take it here)."""
+    import subprocess
+    import sys
+
+    directory = copy(llama, tmp_path / "flash", attn_implementation="flash_attention_2")
+    command = [sys.executable, "-m", "kvtui", "bench", "--model", str(directory), "--tokens", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.count("\n") == 1 and "FlashAttention2" in done.stderr, done.stderr
+    assert "Skipping publisher trust check" not in done.stderr

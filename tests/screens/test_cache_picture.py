@@ -111,6 +111,27 @@ async def test_a_modelled_run_says_it_has_no_weights_at_80x24():
         assert grid.border_subtitle.endswith("modelled")
 
 
+async def test_a_cached_picture_without_a_pool_is_drawn():
+    """A run whose engine keeps its own cache and no pool of blocks (a Hugging Face folder, `hf:`):
+    the picture's subtitle says the rows and how they were had, where building it indexed the
+    first of no block lines (IndexError: pressing 2 after such a run ended the app)."""
+    events = [
+        replace(e, kv_block_tokens=None, kv_capacity_bytes=None)
+        if isinstance(e, RunStarted)
+        else replace(e, kv_bytes_allocated=0)
+        if isinstance(e, StepSample)
+        else e
+        for e in measured_events(replace(SETTINGS, tokens=8))
+    ]
+    app = build(2, 8, events=events)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await settle(app, pilot)
+        grid = app.screen.query_one(CacheGrid)
+        assert grid.picture.step is not None and grid.picture.blocks is None
+        assert "block" not in grid.border_subtitle and grid.border_subtitle.endswith("measured")
+        assert app.is_running
+
+
 def test_a_served_run_says_its_cache_is_the_servers():
     """A `vllm:` run's keys and values are the server's: the picture does not draw a cache
     kvtui cannot see."""

@@ -152,3 +152,59 @@ async def test_presenter_mode_shows_a_records_strings_as_written(text=TEXT):
         assert f"(k{MARKUP[0]} {MARKUP[1]} {MARKUP[2]}" in shown  # in the bar's border, as written
         assert f"m{MARKUP[0]} {MARKUP[1]}" in shown.splitlines()[-2]
         assert f"d{MARKUP[0]} {MARKUP[1]}" in shown.splitlines()[-2]
+
+
+ESCAPES = "\x1b]0;PWNED\x07\x1b]52;c;aGk=\x07\x9b2J\r\nFAKE-LINE: all good"
+"""What a record handed over may name things with: an OSC 0 (the terminal's title), an OSC 52 (the
+clipboard), a C1 CSI and a line break that starts a line of its own in a table."""
+
+
+def _record_with_escapes(tmp_path, settings):
+    """A record of a sim run whose start's names, steps' text and loops' messages hold ESCAPES."""
+    from kvtui.cli import main
+
+    path = tmp_path / "escapes.jsonl"
+    assert main(["bench", "--engine", settings.engine, "--tokens", "4", "--record", str(path)]) == 0
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line in lines:
+        if line.get("kind") == "started":
+            for key in ("model", "device", "timing", "kv_pool_source", "ridge_source"):
+                line[key] = f"{key} {ESCAPES}"
+            line["prompt_text"] = ESCAPES
+        elif line.get("kind") == "step":
+            line["text"] = ESCAPES
+        elif line.get("kind") == "finished":
+            line["message"] = ESCAPES
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _controls(text: str) -> list[str]:
+    return [c for c in text if ord(c) < 32 and c != "\n" or 0x7F <= ord(c) < 0xA0]
+
+
+async def test_a_records_escape_codes_never_reach_the_terminal(tmp_path, capsys):
+    """A replay whose names hold escape codes drew them raw on screens 1-4 (the terminal took the
+    OSC 0 as its title), and bench's table printed a loop's message's `\\r\\n` as a line of its own
+    ("FAKE-LINE: all good"): every string of a record is made safe as it is read."""
+    path = _record_with_escapes(tmp_path, SETTINGS)
+    capsys.readouterr()
+    from kvtui.cli import main
+
+    assert main(["bench", "--engine", f"replay:{path}", "--replay-speed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert not _controls(out) and "\\x1b]0;PWNED\\x07" in out
+    assert not any(line.startswith("FAKE-LINE") for line in out.splitlines())
+    app = make_app(
+        replace(SETTINGS, tokens=4),
+        1,
+        probe=PROBE,
+        engine_factory=lambda s: ScriptedEngine.from_record(path),
+    )
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.live.state == "done")
+        for key in ("1", "2", "3", "4"):
+            await pilot.press(key)
+            await pilot.pause()
+            assert not _controls(screen_text(app)), key
+        assert app.is_running

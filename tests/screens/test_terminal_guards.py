@@ -26,50 +26,89 @@ from kvtui.screens.recompute import RecomputeScreen
 SIZE = (100, 30)
 
 
-def test_bytes_that_are_not_utf8_and_ctrl_c_in_a_real_terminal():
-    """As `tmux send-keys -H ff fe c0 af` (a terminal sending Alt as 8-bit meta): the app reads
-    on, says nothing alarming, and then ctrl+c quits it as q does (exit 0, terminal restored)."""
-    main_fd, child = pty.openpty()
-    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-    command = [sys.executable, "-m", "kvtui", "--engine", SETTINGS.engine, "--tokens", "4096"]
-    app = subprocess.Popen(
-        command, stdin=child, stdout=child, stderr=child, start_new_session=True, close_fds=True
-    )
-    os.close(child)
-    output = bytearray()
-    seen = {word: threading.Event() for word in (b"running", b"Screens")}
+class PtyApp:
+    """The app (`python -m kvtui`) on a pseudo-terminal of 100x30, its output drained and kept."""
 
-    def read() -> None:  # drain the terminal, or the app blocks writing to it
+    def __init__(self) -> None:
+        self.fd, child = pty.openpty()
+        fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+        command = [sys.executable, "-m", "kvtui", "--engine", SETTINGS.engine, "--tokens", "4096"]
+        self.app = subprocess.Popen(
+            command, stdin=child, stdout=child, stderr=child, start_new_session=True, close_fds=True
+        )
+        os.close(child)
+        self.output = bytearray()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:  # drain the terminal, or the app blocks writing to it
         while True:
             try:
-                chunk = os.read(main_fd, 65536)
+                chunk = os.read(self.fd, 65536)
             except OSError:
                 return
             if not chunk:
                 return
-            output.extend(chunk)
-            for word, event in seen.items():
-                if word in output:
-                    event.set()
+            self.output.extend(chunk)
 
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    def shows(self, word: bytes, seconds: float, since: int = 0) -> bool:
+        return wait_until(lambda: word in self.output[since:], seconds)
+
+    def close(self) -> None:
+        if self.app.poll() is None:
+            self.app.kill()
+            self.app.wait()
+        self.reader.join(5)
+        os.close(self.fd)
+
+
+def test_bytes_that_are_not_utf8_and_ctrl_c_in_a_real_terminal():
+    """As `tmux send-keys -H ff fe c0 af` (a terminal sending Alt as 8-bit meta): the app reads
+    on, says nothing alarming, and then ctrl+c quits it as q does (exit 0, terminal restored)."""
+    run = PtyApp()
     try:
-        assert seen[b"running"].wait(30), bytes(output[-400:])
-        os.write(main_fd, b"\xff\xfe\xc0\xaf")
-        shown = len(output)
-        os.write(main_fd, b"2")  # still reading keys: screen 2's title appears
-        assert wait_until(lambda: b"2 \xc2\xb7 " in output[shown:], 10), bytes(output[-400:])
-        os.write(main_fd, b"\x03")  # ctrl+c
-        assert app.wait(10) == 0
+        assert run.shows(b"running", 30), bytes(run.output[-400:])
+        os.write(run.fd, b"\xff\xfe\xc0\xaf")
+        shown = len(run.output)
+        os.write(run.fd, b"2")  # still reading keys: screen 2's title appears
+        assert run.shows(b"2 \xc2\xb7 ", 10, shown), bytes(run.output[-400:])
+        os.write(run.fd, b"\x03")  # ctrl+c
+        assert run.app.wait(10) == 0
     finally:
-        if app.poll() is None:
-            app.kill()
-            app.wait()
-    reader.join(5)
-    os.close(main_fd)
-    assert b"Traceback" not in output and b"UnicodeDecodeError" not in output
-    assert b"\x1b[?1049l" in output  # the main screen back
+        run.close()
+    assert b"Traceback" not in run.output and b"UnicodeDecodeError" not in run.output
+    assert b"\x1b[?1049l" in run.output  # the main screen back
+
+
+HOSTILE_INPUT = [
+    b"\x1b[1000000000000000000A",  # a cursor move of 10^18 rows: OverflowError in chr()
+    b"\x1b[1114112u",  # a key past the last character: ValueError in chr()
+    b"\x1b[97;1;1000000000000000000u",  # a key's text past any character
+    b"\x1b[<0;9999;9999M\x1b[<0;9999;9999m",  # a click far off the screen
+    b"\x1b[<35;99999999999999999999;9999M",  # a mouse move past any int
+    b"\x1b[200~" + b"x" * 100_000 + b"\x1b[201~",  # a 100 KB bracketed paste
+]
+
+
+def test_key_sequences_textual_cannot_parse_in_a_real_terminal():
+    """What a terminal (or whatever writes to it) may send that Textual's parser does not survive:
+    a key sequence whose number is past any character (OverflowError, ValueError from `chr()` in
+    its input thread, which ended the app), a mouse report far off the screen and a 100 KB
+    bracketed paste. The app reads on (a key press still switches screens) and shows no
+    traceback."""
+    run = PtyApp()
+    try:
+        assert run.shows(b"running", 30), bytes(run.output[-400:])
+        for data in HOSTILE_INPUT:
+            os.write(run.fd, data)
+        shown = len(run.output)
+        os.write(run.fd, b"2")
+        assert run.shows(b"2 \xc2\xb7 ", 20, shown), bytes(run.output[-400:])
+        os.write(run.fd, b"q")
+        assert run.app.wait(10) == 0
+    finally:
+        run.close()
+    assert b"Traceback" not in run.output and b"Error" not in run.output
 
 
 def wait_until(condition, seconds: float) -> bool:
@@ -163,8 +202,13 @@ def test_a_torch_that_does_not_import_is_one_line(capsys, monkeypatch):
 def test_the_textual_names_the_guards_rely_on():
     """kvtui.terminal replaces the decoder factory Textual's Linux driver reads input with, and
     overrides the palette's page action: were either renamed, a guard would silently stop."""
+    from textual._xterm_parser import XTermParser
     from textual.drivers import linux_driver
 
     assert callable(linux_driver.getincrementaldecoder)
+    assert linux_driver.XTermParser is XTermParser or issubclass(
+        linux_driver.XTermParser, XTermParser
+    )
+    assert callable(XTermParser._parse_extended_key)
     for name in ("_action_command_list", "_watch__list_visible", "dismiss"):
         assert callable(getattr(CommandPalette, name)), name

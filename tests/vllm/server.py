@@ -9,7 +9,8 @@ and say so (an opt-in: a server costs a core for a minute or two and 2-3 GB). A 
 the process that runs the session (xdist's controller, or the only one), and its start overlaps
 every test that runs before these; it hands the workers the server's URL and log
 (KVTUI_VLLM_URL, KVTUI_VLLM_LOG) and stops it (SIGTERM to its process group, then SIGKILL)
-when the run ends.
+when the run ends; should the run itself be killed, the server gets SIGTERM from the kernel
+(`spawn`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -109,9 +112,7 @@ class VLLMServer:
         ]
         self.started_at = time.monotonic()
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            self.proc = spawn(command, log, env)
         atexit.register(self.stop)
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -153,6 +154,36 @@ class VLLMServer:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl(2)'s option: the signal the calling process gets when its parent thread exits."""
+
+
+def spawn(command: list[str], log: IO[bytes], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """`command` in a process group of its own (stopped as one by `VLLMServer.stop`) that ends
+    with the process that started it, however that ends: a test run killed at its time limit
+    runs no atexit and no `stop`, and its server lived on with parent 1. The child asks the
+    kernel for SIGTERM when its parent exits (PR_SET_PDEATHSIG; vLLM's SIGTERM ends its own
+    workers), and ends itself if the parent is already gone."""
+    parent = os.getpid()
+
+    def die_with_parent() -> None:  # in the child, between fork and exec
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return subprocess.Popen(
+        command,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+        preexec_fn=die_with_parent if sys.platform == "linux" else None,
+    )
 
 
 def _free_port() -> int:

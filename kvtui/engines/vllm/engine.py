@@ -29,6 +29,7 @@ not answer, and pick up again if it comes back.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -36,7 +37,7 @@ import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvtui.engines.capabilities import SERVED
 from kvtui.engines.protocol import (
@@ -48,9 +49,17 @@ from kvtui.engines.protocol import (
     ServerMetrics,
     StepSample,
 )
-from kvtui.engines.vllm.client import MAX_JSON_BYTES, Server, ServerError, ServerURL
+from kvtui.engines.vllm.client import (
+    MAX_JSON_BYTES,
+    MAX_LINE_BYTES,
+    STREAM_IDLE_S,
+    Server,
+    ServerError,
+    ServerURL,
+)
 from kvtui.engines.vllm.metrics import MAX_METRICS_BYTES, MetricsError, server_metrics
 from kvtui.errors import EngineError
+from kvtui.format import error_line
 from kvtui.sim.catalog import ConfigError, ModelSpec, activation_dtype
 from kvtui.sim.hf_config import model_from_hf_config
 from kvtui.sim.memory import kv_bytes_per_token
@@ -62,6 +71,20 @@ WAIT_S = 0.25
 see a stop)."""
 MAX_PROMPT_TOKENS = 1_000_000
 """The longest tokenized prompt taken from a server."""
+MAX_MODEL_LEN = 2**32
+"""The longest max_model_len taken from a server (past it, as a length not said): past any
+model's, and within what a record holds."""
+PATH_MAX = 4096
+"""The longest served path looked for on this machine (Linux's PATH_MAX)."""
+OPEN_DEADLINE_S = 15.0
+"""The longest the questions before a run (what it serves, the prompt's tokens) take in all."""
+SECONDS_PER_TOKEN = 2.0
+"""How long a stream may take a token, on average, after its first: a stream whose every token
+comes (each within the client's STREAM_IDLE_S) but slower than this ends with an error at
+STREAM_IDLE_S + tokens x this, rather than never."""
+BYTES_PER_TOKEN = 65_536
+"""The most bytes a stream may send per token asked for (a vLLM chunk of one token is about 300
+bytes): past them it is cut."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +107,25 @@ class Served:
 def find_config(root: str, model: str) -> tuple[Path | None, str]:
     """The config.json of a served model on this machine, and where it was found (or why not):
     the served path itself, else a Hugging Face cache snapshot of a hub name (HF_HUB_CACHE,
-    HF_HOME/hub or ~/.cache/huggingface/hub). Nothing is downloaded."""
-    for name in dict.fromkeys((root, model)):
+    HF_HOME/hub or ~/.cache/huggingface/hub). Nothing is downloaded. A name no path could have
+    (past PATH_MAX, a NUL) is looked for nowhere; a path that cannot be looked at is said."""
+    names = [n for n in dict.fromkeys((root, model)) if n and len(n) < PATH_MAX and "\0" not in n]
+    try:
+        return _find_config(names, model)
+    except (OSError, RuntimeError) as exc:  # no permission, a name too long; ~user unknown
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        return None, f"no config.json for {model} on this machine ({why.lower()})"
+
+
+def _find_config(names: list[str], model: str) -> tuple[Path | None, str]:
+    for name in names:
         if name and Path(name).expanduser().is_dir():
             path = Path(name).expanduser() / "config.json"
             return (path, f"{path}") if path.is_file() else (None, f"{name} has no config.json")
     hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
     )
-    for name in dict.fromkeys((root, model)):
+    for name in names:
         if name.count("/") == 1 and ".." not in name:
             snapshots = Path(hub) / ("models--" + name.replace("/", "--")) / "snapshots"
             found = sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []
@@ -101,10 +134,11 @@ def find_config(root: str, model: str) -> tuple[Path | None, str]:
     return None, f"no config.json for {model} on this machine (a path, or the Hugging Face cache)"
 
 
-def read_served(url: ServerURL) -> Served:
-    """Ask the server what it serves (`/v1/models`, `/version`) and look for the model's config
-    here; `ServerError` with one line when it does not answer as an OpenAI-compatible server."""
-    server = Server(url)
+def read_served(url: ServerURL, *, until: float = math.inf) -> Served:
+    """Ask the server what it serves (`/v1/models`, `/version`: each within the client's
+    REQUEST_DEADLINE_S, both by `until`) and look for the model's config here; `ServerError`
+    with one line when it does not answer as an OpenAI-compatible server."""
+    server = Server(url, until=until)
     models = server.json("/v1/models")
     data = models.get("data") if isinstance(models, dict) else None
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
@@ -115,7 +149,8 @@ def read_served(url: ServerURL) -> Served:
         raise ServerError(f"{url}/v1/models gives no model id")
     root = card.get("root") if isinstance(card.get("root"), str) else model
     limit = card.get("max_model_len")
-    limit = limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else None
+    if not (type(limit) is int and 0 < limit <= MAX_MODEL_LEN):
+        limit = None  # not said, or past any model: unknown
     try:
         version = server.json("/version").get("version", "")
     except (ServerError, AttributeError):
@@ -132,7 +167,7 @@ def read_served(url: ServerURL) -> Served:
 
 
 def _error_of(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, EngineError) else error_line(exc)
 
 
 class _Poller(threading.Thread):
@@ -156,6 +191,8 @@ class _Poller(threading.Thread):
                 )
         except MetricsError as exc:
             error = f"{self.server.url}/metrics is not Prometheus's text format ({exc})"
+        except Exception as exc:  # the poll's failure is a poll's line, never the thread's end
+            error = f"{self.server.url}/metrics cannot be read ({_error_of(exc)})"
         return ServerMetrics(max(0.0, time.monotonic() - self.opened), error=error)
 
     def run(self) -> None:
@@ -198,13 +235,14 @@ class VLLMEngine:
         as a vLLM server, or the run does not fit its model."""
         if settings.batch != 1:
             raise EngineError("vllm: streams one completion; kvtui load puts many on the server")
-        served = read_served(url)
-        server = Server(url)
+        until = time.monotonic() + OPEN_DEADLINE_S
+        served = read_served(url, until=until)
+        server = Server(url, until=until)
         text = settings.prompt or "\n"
         try:
             answer = server.json("/tokenize", {"model": served.model, "prompt": text})
             ids = answer.get("tokens") if isinstance(answer, dict) else None
-            if not _token_ids(ids, MAX_PROMPT_TOKENS):
+            if not are_token_ids(ids, MAX_PROMPT_TOKENS):
                 raise ServerError(f"{url}/tokenize gave no token ids")
         except ServerError:
             ids = None
@@ -336,25 +374,38 @@ class VLLMEngine:
 
     def _read_stream(self) -> None:
         """Stream the completion into the queue: each chunk's ids and text with its arrival
-        time, then how it ended."""
+        time, then how it ended. Reading stops at the tokens asked for, whatever the server
+        sends past them (the ids of a chunk past them are dropped), and at the stream's bounds
+        (SECONDS_PER_TOKEN, BYTES_PER_TOKEN, and the client's)."""
         streamed = 0
         url = self.served.url
+        asked = self.settings.tokens
+        until = time.monotonic() + STREAM_IDLE_S + asked * SECONDS_PER_TOKEN
         try:
-            stream = self._stream = Server(url).stream("/v1/completions", self.request())
+            stream = self._stream = Server(url).stream(
+                "/v1/completions",
+                self.request(),
+                until=until,
+                max_bytes=MAX_LINE_BYTES + asked * BYTES_PER_TOKEN,
+            )
             if self._stream_closed:  # closed while the server had not answered: abort it
                 stream.close()
             for chunk in stream:
                 at = time.perf_counter()
-                choice = _choice(chunk)
-                if choice is None:
+                choice = first_choice(chunk)
+                if choice is None or streamed >= asked:  # past what was asked: not kept
                     continue
                 ids = choice.get("token_ids")
                 text = choice.get("text") if isinstance(choice.get("text"), str) else ""
-                if not _token_ids(ids, MAX_PROMPT_TOKENS):
+                if not are_token_ids(ids, MAX_PROMPT_TOKENS):
                     ids = [0] if text else []  # a server without return_token_ids
                 if ids:
+                    stream.progress()
+                    ids = ids[: asked - streamed]
                     streamed += len(ids)
                     self._events.put(_Token(list(ids), str(text), at))
+                if streamed >= asked:  # the rest (its [DONE]) briefly, not a token more
+                    stream.wind_down()
             if streamed < self.settings.tokens:
                 how = "ended the stream" if stream.done else "stopped streaming"
                 self._events.put(
@@ -366,7 +417,9 @@ class VLLMEngine:
             else:
                 self._events.put(_Ended())
         except ServerError as exc:
-            if streamed:  # the same words as a stream cut short without an error, and why
+            if streamed >= asked:  # cut after all it was asked for: a server that streams on
+                self._events.put(_Ended())
+            elif streamed:  # the same words as a stream cut short without an error, and why
                 self._events.put(
                     _Ended(
                         f"the vLLM server at {url} stopped streaming after {streamed:,} of "
@@ -402,15 +455,18 @@ def _sample(step: int, position: int, token: int, text: str, seconds: float) -> 
     )
 
 
-def _choice(chunk: Any) -> dict[str, Any] | None:
+def first_choice(chunk: Any) -> dict[str, Any] | None:
+    """A completion chunk's first choice, if it has one as the API says (`choices`, a list of
+    objects): None for anything else (a list of numbers, a number, an object)."""
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         return choices[0]
     return None
 
 
-def _token_ids(ids: Any, limit: int) -> bool:
-    """Whether `ids` is a non-empty list of token ids (non-negative integers within 64 bits)."""
+def are_token_ids(ids: Any, limit: int) -> TypeGuard[list[int]]:
+    """Whether `ids` is a non-empty list of at most `limit` token ids (non-negative integers
+    within 64 bits)."""
     return (
         isinstance(ids, list)
         and 0 < len(ids) <= limit

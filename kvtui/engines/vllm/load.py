@@ -26,9 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtui.engines.roofline import PASSAGE
-from kvtui.engines.vllm.client import Server, ServerError, ServerURL
-from kvtui.engines.vllm.engine import read_served
+from kvtui.engines.vllm.client import (
+    MAX_LINE_BYTES,
+    Server,
+    ServerError,
+    ServerURL,
+)
+from kvtui.engines.vllm.engine import BYTES_PER_TOKEN, are_token_ids, first_choice, read_served
 from kvtui.errors import EngineError
+from kvtui.format import error_line
 
 MAX_CONCURRENCY = 256
 """The most requests at once: vLLM's default max_num_seqs."""
@@ -157,17 +163,19 @@ def run_load(
     request when the plan is out of bounds, the server does not answer or the requests do not
     fit its max_model_len. `progress(result, open requests)` about once a second."""
     plan.check()
-    served = read_served(plan.url)
+    start = time.monotonic()
+    deadline = start + plan.seconds  # the questions before the load too: all within it
+    served = read_served(plan.url, until=deadline)
     limit = served.max_model_len
     if limit is not None and plan.prompt_tokens + plan.max_tokens > limit:
         raise EngineError(
             f"{plan.prompt_tokens:,} prompt + {plan.max_tokens:,} tokens is past the server's "
             f"max_model_len of {limit:,}"
         )
-    server = Server(plan.url)
+    server = Server(plan.url, until=deadline)
     answer = server.json("/tokenize", {"model": served.model, "prompt": PASSAGE})
     base = answer.get("tokens") if isinstance(answer, dict) else None
-    if not isinstance(base, list) or not base or not all(type(t) is int for t in base):
+    if not are_token_ids(base, MAX_PROMPT_TOKENS * 8):
         raise ServerError(f"{plan.url}/tokenize gave no token ids")
     prompt = prompts(base, plan)
     result = LoadResult(plan, served.model)
@@ -175,8 +183,6 @@ def run_load(
     lock = threading.Lock()
     streams: set[Any] = set()
     issued = 0
-    start = time.monotonic()
-    deadline = start + plan.seconds
 
     def _note(error: str) -> None:
         if error not in result.errors and len(result.errors) < 3:
@@ -188,7 +194,14 @@ def run_load(
             _note(error)
 
     def one(i: int) -> None:
-        """Request i, streamed to its end (or closed at the time limit), counted."""
+        """Request i, streamed to its end (or closed at the time limit), counted: done, cut or
+        failed, whatever the server answers (a failure of any kind is counted and noted)."""
+        try:
+            request(i)
+        except Exception as exc:  # never a request that vanishes from the counts
+            _failed(f"a request failed: {error_line(exc)}")
+
+    def request(i: int) -> None:
         body = {
             "model": served.model,
             "prompt": prompt(i),
@@ -199,32 +212,43 @@ def run_load(
             "return_token_ids": True,
         }
         t0, got, first = time.perf_counter(), 0, None
-        try:
-            left = max(1.0, deadline - time.monotonic())  # no read outlives the time limit
-            stream = server.stream("/v1/completions", body, idle=left)
+        try:  # no read outlives the time limit, nor reads past what was asked
+            stream = server.stream(
+                "/v1/completions",
+                body,
+                until=deadline,
+                max_bytes=MAX_LINE_BYTES + plan.max_tokens * BYTES_PER_TOKEN,
+            )
         except ServerError as exc:
-            _failed(str(exc))
+            if not (stop.is_set() or time.monotonic() >= deadline):
+                _failed(str(exc))
+            else:
+                with lock:
+                    result.cut += 1
             return
         with lock:
             streams.add(stream)
         try:
             for chunk in stream:
-                choices = chunk.get("choices") if isinstance(chunk, dict) else None
-                if not choices:
+                choice = first_choice(chunk)
+                if choice is None or got >= plan.max_tokens:
                     continue
                 if first is None:
                     first = time.perf_counter() - t0
-                ids = choices[0].get("token_ids") if isinstance(choices[0], dict) else None
-                got += len(ids) if isinstance(ids, list) and ids else 1
+                ids = choice.get("token_ids")
+                got += len(ids) if are_token_ids(ids, MAX_LINE_BYTES) else 1  # a line's worth
+                stream.progress()
+                if got >= plan.max_tokens:  # its [DONE] briefly, not a token more
+                    stream.wind_down()
         except ServerError as exc:
-            if not (stop.is_set() or time.monotonic() >= deadline):
+            if got < plan.max_tokens and not (stop.is_set() or time.monotonic() >= deadline):
                 _failed(str(exc))
                 return
         finally:
             with lock:
                 streams.discard(stream)
         with lock:
-            result.tokens += got
+            result.tokens += min(got, plan.max_tokens)
             if first is not None:
                 result.ttft_s.append(first)
             if got >= plan.max_tokens:
@@ -275,6 +299,8 @@ def run_load(
         for thread in threads:
             thread.join(timeout=2.0)
     result.seconds = time.monotonic() - start
+    if result.ended == "done" and result.cut:  # its requests met the limit before this loop did
+        result.ended = "stopped" if stop.is_set() else "time limit"
     if result.ended == "done" and stop.is_set() and result.done < plan.requests:
         result.ended = "stopped"
     return result

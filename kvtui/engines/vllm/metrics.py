@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvtui.engines.protocol import ServerMetrics
+from kvtui.sim.pool import MAX_KV_BLOCK_TOKENS
 
 MAX_METRICS_BYTES = 8 * 2**20
 """The largest /metrics text read: vLLM 0.32 serving one model writes about 60 KB."""
@@ -53,27 +54,76 @@ class Sample:
     value: float = 0.0
 
 
-_NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-_SAMPLE = re.compile(rf"({_NAME})(?:\{{(.*)\}})?\s+(\S+)(?:\s+-?\d+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(,|$)')
-_ESCAPES = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+MAX_LINE_CHARS = 65_536
+"""The longest line read (vLLM's longest, its cache config's, is about 400 characters)."""
+MAX_LINES = 400_000
+"""The most lines read, comments and blanks included (vLLM 0.32: about 1,000)."""
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\\n"}
+"""A label value's escapes, unescaped: a backslash and a quote; an escaped newline stays the two
+characters it was written as, so that a value is one line wherever it is shown."""
 
 
-def _unescape(value: str) -> str:
-    return re.sub(r"\\[\\\"n]", lambda m: _ESCAPES[m.group(0)], value)
-
-
-def _labels(text: str, line: int) -> dict[str, str]:
+def _labels(line: str, position: int, number: int) -> tuple[dict[str, str], int]:
+    """The labels of a sample line from `position` (just past its `{`) to its `}`, and the
+    position past that: read by hand, in one pass (a regex with a repeated alternation, as this
+    was, holds a backtracking point per character: 1.2 GB for a 7 MiB line)."""
     labels: dict[str, str] = {}
-    position = 0
-    text = text.rstrip().rstrip(",")
-    while position < len(text):
-        match = _LABEL.match(text, position)
+    end = len(line)
+
+    def bad(why: str) -> MetricsError:
+        return MetricsError(f"line {number}: malformed labels ({why})")
+
+    while True:
+        while position < end and line[position] in " \t":
+            position += 1
+        if position < end and line[position] == "}":
+            return labels, position + 1
+        match = _LABEL_NAME.match(line, position)
         if match is None:
-            raise MetricsError(f"line {line}: malformed labels")
-        labels[match.group(1)] = _unescape(match.group(2))
-        position = match.end()
-    return labels
+            raise bad("no label name")
+        name, position = match.group(), match.end()
+        position = _past_equals(line, position, bad)
+        pieces: list[str] = []
+        quote = -1
+        while True:
+            if quote < position:  # else the quote found last time is still the next one
+                quote = line.find('"', position)
+            if quote < 0:
+                raise bad("a value not closed")
+            slash = line.find("\\", position, quote)
+            if slash < 0:
+                pieces.append(line[position:quote])
+                position = quote + 1
+                break
+            pieces.append(line[position:slash])
+            escaped = line[slash + 1 : slash + 2]
+            pieces.append(_ESCAPES.get(escaped, "\\" + escaped))
+            position = slash + 2
+        labels[name] = "".join(pieces)
+        while position < end and line[position] in " \t":
+            position += 1
+        if position < end and line[position] == ",":
+            position += 1
+        elif not (position < end and line[position] == "}"):
+            raise bad("no comma or closing brace")
+
+
+def _past_equals(line: str, position: int, bad: Callable[[str], MetricsError]) -> int:
+    """The position past `=` and the opening quote of a label's value (spaces allowed)."""
+    end = len(line)
+    while position < end and line[position] in " \t":
+        position += 1
+    if position >= end or line[position] != "=":
+        raise bad("no =")
+    position += 1
+    while position < end and line[position] in " \t":
+        position += 1
+    if position >= end or line[position] != '"':
+        raise bad("a value not quoted")
+    return position + 1
 
 
 def _value(text: str, line: int) -> float:
@@ -83,27 +133,57 @@ def _value(text: str, line: int) -> float:
         raise MetricsError(f"line {line}: {text[:20]!r} is not a number") from None
 
 
+def _sample(line: str, number: int) -> Sample:
+    """One sample line: `name{label="value",...} value [timestamp]`."""
+    match = _NAME.match(line)
+    if match is None:
+        raise MetricsError(f"line {number}: not a Prometheus sample")
+    name, position = match.group(), match.end()
+    labels: dict[str, str] = {}
+    if line.startswith("{", position):
+        labels, position = _labels(line, position + 1, number)
+    rest = line[position:].split()
+    if not 1 <= len(rest) <= 2 or (position < len(line) and line[position] not in " \t"):
+        raise MetricsError(f"line {number}: not a Prometheus sample")
+    if len(rest) == 2 and not rest[1].lstrip("-").isdigit():
+        raise MetricsError(f"line {number}: {rest[1][:20]!r} is not a timestamp")
+    return Sample(name, labels, _value(rest[0], number))
+
+
+def _lines(text: str) -> Iterator[tuple[int, str]]:
+    """(number, line) of a text, without a list of them all (a text of 8 MiB of newlines is 8
+    million lines); `MetricsError` past MAX_LINES or for a line past MAX_LINE_CHARS."""
+    start, number, end = 0, 0, len(text)
+    while start < end:
+        stop = text.find("\n", start)
+        stop = end if stop < 0 else stop
+        number += 1
+        if number > MAX_LINES:
+            raise MetricsError(f"more than {MAX_LINES:,} lines")
+        if stop - start > MAX_LINE_CHARS:
+            raise MetricsError(f"line {number}: longer than {MAX_LINE_CHARS:,} characters")
+        yield number, text[start:stop]
+        start = stop + 1
+
+
 def parse_prometheus(text: str) -> dict[str, list[Sample]]:
     """Every sample of a text-format exposition, by metric name (as written on the sample line:
     a histogram's `_bucket`, `_sum` and `_count` apart); `MetricsError` for a line that is not
-    a comment, a blank or a sample, or past MAX_METRICS_BYTES / MAX_SAMPLES."""
+    a comment, a blank or a sample, or past MAX_METRICS_BYTES, MAX_LINES, MAX_LINE_CHARS or
+    MAX_SAMPLES. Time and memory grow with the text's length, never faster."""
     if len(text) > MAX_METRICS_BYTES:
         raise MetricsError(f"more than {MAX_METRICS_BYTES // 2**20} MiB of metrics")
     samples: dict[str, list[Sample]] = {}
     count = 0
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in _lines(text):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            raise MetricsError(f"line {number}: not a Prometheus sample")
         count += 1
         if count > MAX_SAMPLES:
             raise MetricsError(f"more than {MAX_SAMPLES:,} samples")
-        name, labels, value = match.group(1), match.group(2), match.group(3)
-        sample = Sample(name, _labels(labels, number) if labels else {}, _value(value, number))
-        samples.setdefault(name, []).append(sample)
+        sample = _sample(line, number)
+        samples.setdefault(sample.name, []).append(sample)
     return samples
 
 
@@ -138,18 +218,40 @@ def _first(samples: dict[str, list[Sample]], quantity: str, suffix: str = "") ->
     return next((n for n in NAMES[quantity] if n + suffix in samples), None)
 
 
+MAX_COUNT = 2**53
+"""The largest count kvtui takes from a server (requests, preemptions, tokens, blocks): every
+integer a float holds exactly; a larger one is shown as unknown."""
+MAX_MEMORY_BYTES = 2**60
+"""The largest KV-cache memory taken from a server (an exbibyte)."""
+
+
 def _total(found: Iterable[Sample]) -> float | None:
+    """The sum of the finite, non-negative values; None without one, or if it overflows."""
     values = [s.value for s in found if math.isfinite(s.value) and s.value >= 0]
-    return sum(values) if values else None
+    total = sum(values) if values else None  # past the largest float: inf
+    return total if total is not None and math.isfinite(total) else None
 
 
-def _count(value: float | None) -> int | None:
-    return None if value is None else int(value)
+def _count(value: float | None, high: int = MAX_COUNT) -> int | None:
+    """A count from a float: None for none, or past `high` (+Inf, 1e999 and 1e300 included)."""
+    return int(value) if value is not None and 0 <= value <= high else None
 
 
-def _int_label(labels: dict[str, str], key: str) -> int | None:
+def _int_label(labels: dict[str, str], key: str, high: int = MAX_COUNT) -> int | None:
+    """A label holding a whole number from 0 to `high`, or None (a block size of 18 digits)."""
     text = labels.get(key, "")
-    return int(text) if text.isdigit() and len(text) <= 18 else None
+    if not (text.isascii() and text.isdigit()) or len(text) > 19:
+        return None
+    value = int(text)
+    return value if value <= high else None
+
+
+def _sum(values: list[int | None], high: int = MAX_COUNT) -> int | None:
+    """The sum of labels, each present, at most `high`; None otherwise."""
+    if not values or any(v is None for v in values):
+        return None
+    total = sum(v for v in values if v is not None)
+    return total if total <= high else None
 
 
 def _float_label(labels: dict[str, str], key: str) -> float | None:
@@ -182,16 +284,18 @@ def server_metrics(text: str, seconds: float) -> ServerMetrics:
     info = read("cache_config")
     if info:
         labels = info[0].labels
-        blocks = [_int_label(s.labels, "num_gpu_blocks") for s in info]
-        if all(b is not None for b in blocks):
-            values["kv_blocks"] = sum(b for b in blocks if b is not None)
-        values["kv_block_tokens"] = _int_label(labels, "block_size")
-        sizes = [_int_label(s.labels, "kv_cache_size_tokens") for s in info]
-        if all(t is not None for t in sizes):
-            values["kv_capacity_tokens"] = sum(t for t in sizes if t is not None)
-        elif values.get("kv_blocks") is not None and values["kv_block_tokens"] is not None:
-            values["kv_capacity_tokens"] = values["kv_blocks"] * values["kv_block_tokens"]  # type: ignore[operator]
-        values["kv_cache_memory_bytes"] = _int_label(labels, "kv_cache_memory_bytes")
+        blocks = _sum([_int_label(s.labels, "num_gpu_blocks") for s in info])
+        block_tokens = _int_label(labels, "block_size", MAX_KV_BLOCK_TOKENS) or None
+        values["kv_blocks"] = blocks
+        values["kv_block_tokens"] = block_tokens
+        sizes = _sum([_int_label(s.labels, "kv_cache_size_tokens") for s in info])
+        if sizes is None and blocks is not None and block_tokens is not None:
+            sizes = _count(blocks * block_tokens)
+        if sizes is not None:
+            values["kv_capacity_tokens"] = sizes
+        values["kv_cache_memory_bytes"] = _int_label(
+            labels, "kv_cache_memory_bytes", MAX_MEMORY_BYTES
+        )
         values["kv_cache_dtype"] = labels.get("cache_dtype", "")[:40]
         values["kv_blocks_override"] = _int_label(labels, "num_gpu_blocks_override")
         values["max_concurrency"] = _float_label(labels, "kv_cache_max_concurrency")
@@ -202,8 +306,9 @@ def server_metrics(text: str, seconds: float) -> ServerMetrics:
     reasons: dict[str, int] = {}
     for s in read("waiting_by_reason"):
         reason = s.labels.get("reason", "")[:40]
-        if reason and math.isfinite(s.value) and s.value >= 0:
-            reasons[reason] = reasons.get(reason, 0) + int(s.value)
+        waiting = _count(s.value)
+        if reason and waiting is not None:
+            reasons[reason] = min(MAX_COUNT, reasons.get(reason, 0) + waiting)
     values["waiting_reasons"] = tuple(f"{r}={n}" for r, n in sorted(reasons.items()))
     values["preemptions"] = _count(_total(read("preemptions")))
     values["prefix_queries_tokens"] = _count(_total(read("prefix_queries")))
