@@ -710,3 +710,54 @@ def test_the_app_draws_its_title_card_before_the_app_and_leaves_the_terminal_as_
             process.kill()
             process.wait(5)
         os.close(main_fd)
+
+
+def test_budget_caps_the_longest_context_at_the_models_positions_and_says_which_binds(capsys):
+    """Memory would hold 604,819 tokens of llama-3.1-70b on four H100s, but the model runs
+    131,072 positions: the longest context printed is the model's, named as such, and the JSON
+    says both and which binds; where memory binds, it says so."""
+    assert (
+        main(
+            [
+                "budget",
+                "--model",
+                "llama-3.1-70b",
+                "--gpu",
+                "h100",
+                "--context",
+                "8192",
+                "--tp",
+                "4",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert (
+        "Longest context that fits: 131,072 tokens, the model's own positions "
+        "(memory would hold 604,819 tokens)." in out
+    )
+    assert (
+        main(["budget", "--model", "llama-2-7b", "--gpu", "h100", "--context", "4096", "--json"])
+        == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["longest_context_tokens"] == 4_096 and data["longest_context_limit"] == "positions"
+    assert data["max_context_tokens"] == 136_086  # what memory alone would hold
+    assert (
+        main(
+            [
+                "budget",
+                "--model",
+                "llama-3.1-8b",
+                "--gpu",
+                "h100",
+                "--context",
+                "24000",
+                "--batch",
+                "8",
+            ]
+        )
+        == 0
+    )
+    assert "Longest context that fits: 65,579 tokens (memory binds)." in capsys.readouterr().out

@@ -159,12 +159,19 @@ def cmd_budget(args: argparse.Namespace) -> int:
         f"{format_bytes(b.kv_bytes_per_gpu)} of KV on {on} is "
         f"{format_percent(b.kv_fraction_of_vram)}; the whole budget {verdict}."
     )
-    if b.max_context_tokens is None:
+    longest, memory = b.longest_context_tokens, b.max_context_tokens
+    if longest is None:
         print("Longest context that fits: any (every layer's sliding window fits).")
-    elif b.max_context_tokens == 0:
+    elif longest == 0:
         print("Longest context that fits: none, not even one token.")
+    elif b.longest_context_limit == "positions":
+        held = "any length" if memory is None else f"{format_int(memory)} tokens"
+        print(
+            f"Longest context that fits: {format_int(longest)} tokens, the model's own positions "
+            f"(memory would hold {held})."
+        )
     else:
-        print(f"Longest context that fits: {format_int(b.max_context_tokens)} tokens.")
+        print(f"Longest context that fits: {format_int(longest)} tokens (memory binds).")
     if b.tp > 1:
         if spec.is_mla:
             heads = "the whole MLA latent, which every GPU keeps"

@@ -377,15 +377,13 @@ class MemoryScreen(LessonScreen):
         status.set_class(over, "-bad")
         status.set_class(not over, "-good")
         longest = self.query_one("#max-context", StatCard)
-        if b.max_context_tokens is None:
+        if b.longest_context_tokens is None:
             longest.value, longest.note = "no limit", ("every layer slides", "all slide")
-        elif b.max_context_tokens > (limit := self.model_spec().max_context):
-            longest.value, longest.note = (
-                format_int(limit),
-                ("the model's own limit", "model's limit"),
-            )
+        elif b.longest_context_limit == "positions":
+            longest.value = format_int(b.longest_context_tokens)
+            longest.note = ("the model's own limit", "model's limit")
         else:
-            longest.value = format_int(b.max_context_tokens)
+            longest.value = format_int(b.longest_context_tokens)
             longest.note = f"tokens x {b.batch}"
         wanted = (b.weights_bytes_per_gpu, b.kv_bytes_per_gpu, b.reserve_bytes)
         self.query_one("#whatif-bar", VramBar).show(

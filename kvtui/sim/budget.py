@@ -95,6 +95,25 @@ class Budget:
     """What to change, in plain words: empty when it fits and nothing needs saying."""
     model_label: str = ""
     gpu_label: str = ""
+    model_positions: int | None = None
+    """The most positions the model runs (its `max_context`); None where it has no limit."""
+
+    @property
+    def longest_context_limit(self) -> str:
+        """What binds the longest context: "positions" (the model's own, where memory would
+        hold more) or "memory"."""
+        memory, positions = self.max_context_tokens, self.model_positions
+        if positions is not None and (memory is None or memory > positions):
+            return "positions"
+        return "memory"
+
+    @property
+    def longest_context_tokens(self) -> int | None:
+        """The longest context that runs: what memory holds (`max_context_tokens`), capped at
+        the model's positions; None where neither binds (every layer slides, no limit)."""
+        if self.longest_context_limit == "positions":
+            return self.model_positions
+        return self.max_context_tokens
 
     @property
     def fits(self) -> bool:
@@ -123,6 +142,8 @@ class Budget:
             "kv_fraction_of_vram": self.kv_fraction_of_vram,
             "status": self.status,
             "max_context_tokens": self.max_context_tokens,
+            "longest_context_tokens": self.longest_context_tokens,
+            "longest_context_limit": self.longest_context_limit,
             "advice": list(self.advice),
             "tp": self.tp,
             "kv_heads_per_gpu": self.kv_heads_per_gpu,
@@ -209,6 +230,7 @@ def budget(
         kv_bytes_per_gpu=kv,
         model_label=spec.label,
         gpu_label=gpu.display_name,
+        model_positions=spec.max_context or None,
     )
     return _with_advice(result, spec, gpu)
 
