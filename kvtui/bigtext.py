@@ -190,7 +190,7 @@ def title_card(width: int, height: int) -> list[CardLine]:
     lines: list[CardLine] = []
     name = fit(TITLE, width - 4, max(3, room // 3))
     sub = fit(SUBTITLE, width - 4, max(3, room // 3), wrap=True, most=2, gap=1)
-    idea = textwrap.wrap(IDEA, min(width - 4, 72))
+    idea = textwrap.wrap(IDEA, max(1, min(width - 4, 72)))
     body: list[CardLine] = []
     if name is not None:
         body += [CardLine(line, "title") for line in name.lines]

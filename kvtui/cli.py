@@ -104,6 +104,8 @@ class TitleCard:
     LEAVE = "\x1b[?25h\x1b[?1049l"
     SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
     TURN_S = 0.1
+    SMALLEST = (20, 5)
+    """The fewest columns and rows the card is drawn in."""
 
     def __init__(self) -> None:
         import threading
@@ -111,11 +113,12 @@ class TitleCard:
         self.shown = "TEXTUAL_DRIVER" not in os.environ and sys.stderr.isatty()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if not self.shown:
+        size = os.get_terminal_size(sys.stderr.fileno()) if self.shown else None
+        if size is None or size.columns < self.SMALLEST[0] or size.lines < self.SMALLEST[1]:
+            self.shown = False  # a terminal too small for it (or one that says 0x0): the app only
             return
         from kvtui.bigtext import title_card
 
-        size = os.get_terminal_size(sys.stderr.fileno())
         self._width, self._row = size.columns, size.lines - 1
         lines = [
             f"\x1b[1m{line.text}\x1b[0m" if line.kind in ("title", "subtitle") else line.text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -761,3 +762,46 @@ def test_budget_caps_the_longest_context_at_the_models_positions_and_says_which_
         == 0
     )
     assert "Longest context that fits: 65,579 tokens (memory binds)." in capsys.readouterr().out
+
+
+def test_a_terminal_that_says_it_is_0x0_gets_the_app_without_the_title_card():
+    """A pty that reports no size (as `script` gives one): the title card is not drawn (it ended
+    the launch with a ValueError from textwrap at a width of -4), the app opens and q quits it."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    main_fd, child_fd = pty.openpty()
+    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "TEXTUAL_DRIVER"} | {"TERM": "xterm"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtui", "--lesson", "--engine", "sim:llama-3.1-8b@h100"],
+        stdin=child_fd,
+        stdout=child_fd,
+        stderr=child_fd,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    )
+    os.close(child_fd)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 60
+        while b"\x1b[?1000h" not in seen and time.monotonic() < deadline:  # the app draws
+            if process.poll() is not None:
+                break
+            if select.select([main_fd], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    seen += os.read(main_fd, 65536)
+        assert b"\x1b[?1000h" in seen, seen[-2000:]
+        assert b"Traceback" not in seen and b"starting kvtui" not in seen
+        os.write(main_fd, b"q")
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(5)
+        os.close(main_fd)
