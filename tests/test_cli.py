@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -656,61 +656,95 @@ def test_bench_runs_a_model_split_over_4_gpus(capsys):
     assert "does not fit 2x NVIDIA L4" in err and "it needs at least 8" in err
 
 
+MOUSE_ON = b"\x1b[?1000h"
+"""Textual's first act on a terminal: from here on, what the pty shows is the app's."""
+
+
+class KvtuiInAPty:
+    """`kvtui ARGS --engine sim:...` on a pty of `rows` x `cols` (0x0: one that says no size),
+    its bytes read as they come; q and the process's end are the test's to check."""
+
+    def __init__(self, args: list[str], rows: int, cols: int) -> None:
+        import fcntl
+        import os
+        import pty
+        import struct
+        import termios
+
+        self.main_fd, child_fd = pty.openpty()
+        fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        env = {k: v for k, v in os.environ.items() if k != "TEXTUAL_DRIVER"} | {"TERM": "xterm"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvtui", *args, "--engine", "sim:llama-3.1-8b@h100"],
+            stdin=child_fd,
+            stdout=child_fd,
+            stderr=child_fd,
+            env=env,
+            cwd=Path(__file__).parent.parent,
+        )
+        os.close(child_fd)
+        self.seen = b""
+
+    def read_until(self, condition: Callable[[], bool], timeout: float) -> None:
+        """Read what the app writes until `condition` holds, `timeout` passes or the terminal
+        closes (the app has ended)."""
+        import os
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not condition() and time.monotonic() < deadline:
+            if select.select([self.main_fd], [], [], 0.1)[0]:
+                try:
+                    self.seen += os.read(self.main_fd, 65536)
+                except OSError:  # the child closed the terminal
+                    return
+
+    def press(self, key: bytes) -> None:
+        import os
+
+        os.write(self.main_fd, key)
+
+    def __enter__(self) -> KvtuiInAPty:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import os
+
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+        os.close(self.main_fd)
+
+
 @pytest.mark.parametrize("present", [["--present"], []], ids=["presenter", "lesson screens"])
 def test_the_app_draws_its_title_card_before_the_app_and_leaves_the_terminal_as_it_was(present):
     """`kvtui` (presenter mode or not) in a terminal (a pty of 80x24): the title card, its
     waiting line turning, is on the terminal before the app starts drawing (Textual's first act
     is to turn the mouse on); q quits, exit 0, the terminal's own screen back."""
-    import fcntl
-    import os
-    import pty
-    import select
-    import struct
-    import termios
-    import time
-
-    main_fd, child_fd = pty.openpty()
-    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k != "TEXTUAL_DRIVER"} | {"TERM": "xterm"}
-    command = [sys.executable, "-m", "kvtui", *present, "--lesson"]
-    process = subprocess.Popen(
-        [*command, "--engine", "sim:llama-3.1-8b@h100"],
-        stdin=child_fd,
-        stdout=child_fd,
-        stderr=child_fd,
-        env=env,
-        cwd=Path(__file__).parent.parent,
-    )
-    os.close(child_fd)
-    seen = b""
-
-    def read_until(condition, timeout: float) -> None:
-        nonlocal seen
-        deadline = time.monotonic() + timeout
-        while not condition() and time.monotonic() < deadline:
-            if select.select([main_fd], [], [], 0.1)[0]:
-                try:
-                    seen += os.read(main_fd, 65536)
-                except OSError:  # the child closed the terminal
-                    return
-
-    try:
-        read_until(lambda: b"\x1b[?1000h" in seen, 60)  # the app has started drawing
-        assert b"\x1b[?1000h" in seen, seen[-2000:]
-        before_app = seen.split(b"\x1b[?1000h")[0].decode(errors="replace")
+    with KvtuiInAPty([*present, "--lesson"], 24, 80) as term:
+        term.read_until(lambda: MOUSE_ON in term.seen, 60)  # the app has started drawing
+        assert MOUSE_ON in term.seen, term.seen[-2000:]
+        before_app = term.seen.split(MOUSE_ON)[0].decode(errors="replace")
         assert before_app.startswith("\x1b[?1049h")  # the app's own screen, at once
         assert "A real model decodes beside this screen" in before_app
         assert "starting kvtui..." in before_app and "██" in before_app
-        read_until(lambda: b"space" in seen.split(b"\x1b[?1000h")[-1], 60)  # its first frame
-        os.write(main_fd, b"q")
-        assert process.wait(30) == 0
-        read_until(lambda: False, 0.5)
-        assert seen.rstrip(b"\r\n").endswith(b"\x1b[?1049l")  # the terminal's own screen
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(5)
-        os.close(main_fd)
+        term.read_until(lambda: b"space" in term.seen.split(MOUSE_ON)[-1], 60)  # its first frame
+        term.press(b"q")
+        assert term.process.wait(30) == 0
+        term.read_until(lambda: False, 0.5)
+        assert term.seen.rstrip(b"\r\n").endswith(b"\x1b[?1049l")  # the terminal's own screen
+
+
+def test_a_terminal_that_says_it_is_0x0_gets_the_app_without_the_title_card():
+    """A pty that reports no size (as `script` gives one): the title card is not drawn (it ended
+    the launch with a ValueError from textwrap at a width of -4), the app opens and q quits it."""
+    with KvtuiInAPty(["--lesson"], 0, 0) as term:
+        term.read_until(lambda: MOUSE_ON in term.seen, 60)  # the app draws
+        assert MOUSE_ON in term.seen, term.seen[-2000:]
+        assert b"Traceback" not in term.seen and b"starting kvtui" not in term.seen
+        term.press(b"q")
+        assert term.process.wait(30) == 0
 
 
 def test_budget_caps_the_longest_context_at_the_models_positions_and_says_which_binds(capsys):
@@ -762,46 +796,3 @@ def test_budget_caps_the_longest_context_at_the_models_positions_and_says_which_
         == 0
     )
     assert "Longest context that fits: 65,579 tokens (memory binds)." in capsys.readouterr().out
-
-
-def test_a_terminal_that_says_it_is_0x0_gets_the_app_without_the_title_card():
-    """A pty that reports no size (as `script` gives one): the title card is not drawn (it ended
-    the launch with a ValueError from textwrap at a width of -4), the app opens and q quits it."""
-    import fcntl
-    import os
-    import pty
-    import select
-    import struct
-    import termios
-    import time
-
-    main_fd, child_fd = pty.openpty()
-    fcntl.ioctl(child_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k != "TEXTUAL_DRIVER"} | {"TERM": "xterm"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvtui", "--lesson", "--engine", "sim:llama-3.1-8b@h100"],
-        stdin=child_fd,
-        stdout=child_fd,
-        stderr=child_fd,
-        env=env,
-        cwd=Path(__file__).parent.parent,
-    )
-    os.close(child_fd)
-    seen = b""
-    try:
-        deadline = time.monotonic() + 60
-        while b"\x1b[?1000h" not in seen and time.monotonic() < deadline:  # the app draws
-            if process.poll() is not None:
-                break
-            if select.select([main_fd], [], [], 0.1)[0]:
-                with contextlib.suppress(OSError):
-                    seen += os.read(main_fd, 65536)
-        assert b"\x1b[?1000h" in seen, seen[-2000:]
-        assert b"Traceback" not in seen and b"starting kvtui" not in seen
-        os.write(main_fd, b"q")
-        assert process.wait(30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait(5)
-        os.close(main_fd)
