@@ -162,8 +162,7 @@ def _wasted(run: LiveRun, shown: Reveal) -> Shown:
     if not k:
         return Shown(None, "positions computed more than once")
     done = _cumulative(run, "uncached")[0]
-    per = done[k - 1] - (done[k - 2] if k > 1 else 0)
-    redone = done[k - 1] - per  # every position but the newest step's, again
+    redone = done[k - 2] if k > 1 else 0  # every position before the newest step's, again
     return Shown(
         f"{redone:,}", f"{_how(run)}: {format_percent(redone / done[k - 1])} computed again"
     )
