@@ -88,10 +88,22 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def _growth_note(steps: LoopSummary) -> str:
+    """What `step_ms_growth_per_position` is, and why it is null where it is."""
+    what = "the later steps' time against their position, least-squares slope"
+    if steps.step_seconds_growth_per_position is not None:
+        return what
+    if steps.steps < 4:
+        return f"{what}: null, under three later steps"
+    return f"{what}: null, not resolved above the step-to-step noise (under 2 standard errors)"
+
+
 def loop_stats(steps: LoopSummary) -> dict[str, Any]:
     """Throughput and step-time shape of one loop (times in ms): tokens (steps) per second of
     each sequence and of all of them, the first step's time and the later steps' (TTFT, TPOT)
-    and the positions each computes per second, every sequence's, and the FLOPs torch counted on
+    and the positions each computes per second, every sequence's (ms_per_position is its
+    reciprocal: measured, never negative; the growth of the step time with position is a slope,
+    given only where the steps resolve it), and the FLOPs torch counted on
     the sampled steps beside the formula's."""
     return {
         "tokens": steps.steps,
@@ -104,6 +116,8 @@ def loop_stats(steps: LoopSummary) -> dict[str, Any]:
         "step_ms_p99": _ms(steps.step_seconds_quantile(0.99)),
         "total_s": steps.seconds_total,
         "ms_per_position": _ms(steps.seconds_per_position),
+        "step_ms_growth_per_position": _ms(steps.step_seconds_growth_per_position),
+        "step_ms_growth_note": _growth_note(steps),
         "ttft_s": steps.ttft_s,
         "tpot_s": steps.tpot_s,
         "tpot_first_steps_s": steps.tpot_over(SPEED_STEPS),

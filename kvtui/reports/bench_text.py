@@ -14,6 +14,7 @@ from kvtui.format import (
     format_count,
     format_int,
     format_ratio,
+    format_seconds,
     safe_text,
 )
 
@@ -162,6 +163,15 @@ def format_table(r: dict[str, Any]) -> str:
     def seconds_ms(v: float | None) -> str:
         return "-" if v is None else ms(v * 1e3)
 
+    def per_position(v: float | None) -> str:
+        return "-" if v is None else format_seconds(v / 1e3)
+
+    def growth(loop: str) -> str:
+        v = r[loop]["step_ms_growth_per_position"]
+        if v is not None:
+            return f"+{format_seconds(v / 1e3)}"
+        return "within noise" if r[loop]["tokens"] >= 4 else "-"
+
     def both(key: str, show: Callable[[float | None], str]) -> tuple[str, str]:
         return show(r["cached"][key]), show(r["uncached"][key])
 
@@ -175,6 +185,8 @@ def format_table(r: dict[str, Any]) -> str:
         ("time per later token", *both("tpot_s", seconds_ms)),
         ("positions/s, first step", *both("first_step_positions_per_s", tps)),
         ("positions/s, later steps", *both("later_step_positions_per_s", tps)),
+        ("time per position computed", *both("ms_per_position", per_position)),
+        ("step growth per position", growth("cached"), growth("uncached")),
         ("step p50", ms(r["cached"]["step_ms_p50"]), ms(r["uncached"]["step_ms_p50"])),
         (
             "step, first quartile",
@@ -191,7 +203,7 @@ def format_table(r: dict[str, Any]) -> str:
     if r["batch"] > 1:
         rows.insert(2, ("tokens/s, all sequences", *both("tokens_per_s_total", tps)))
     if r["served_by"]:  # positions are the server's: not observed over HTTP
-        rows = [row for row in rows if not row[0].startswith("positions")]
+        rows = [row for row in rows if "position" not in row[0]]
     width = max(len(row[0]) for row in rows)
     lines = [
         f"{r['model']} on {r['device']} ({r['dtype']}"
