@@ -29,6 +29,7 @@ from textual.reactive import var
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from kvtui.commands import PaletteApp
+from kvtui.engines.factory import fit_tokens
 from kvtui.engines.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.format import safe_text
 from kvtui.options import THEMES, UsageError
@@ -331,15 +332,21 @@ class KVApp(PaletteApp):
         self.notify(f"Restarted with engine {safe_text(engine)}", timeout=3, markup=False)
 
     def action_restart(self) -> None:
-        """Run again, exactly the chosen length, on the chosen KV budget."""
-        self.start_run(
-            replace(
-                self.live.settings,
-                tokens=self.length,
-                kv_budget_bytes=self.kv_budget,
-                batch=self.batch,
-            )
+        """Run again, the chosen length (capped to what the model holds), on the chosen KV
+        budget."""
+        chosen = replace(
+            self.live.settings, tokens=self.length, kv_budget_bytes=self.kv_budget, batch=self.batch
         )
+        if said := self._start_fitted(chosen):
+            self.notify(said, timeout=6)
+
+    def _start_fitted(self, settings: RunSettings) -> str:
+        """Start a run of these settings, its tokens capped to the model's positions (so that
+        `r` and `l` always run something); the line saying it capped them, or ""."""
+        settings, said = fit_tokens(settings)
+        self.length = settings.tokens
+        self.start_run(settings)
+        return safe_text(said)
 
     def action_lesson(self) -> None:
         """Lesson mode on (a one-token prompt, 24 tokens: the lesson's figures, measured) or off
@@ -352,12 +359,12 @@ class KVApp(PaletteApp):
         lesson = not self.live.settings.lesson
         if lesson:
             self.length = 24
-        self.start_run(replace(self.live.settings, lesson=lesson, tokens=self.length))
+        said = self._start_fitted(replace(self.live.settings, lesson=lesson, tokens=self.length))
         self.notify(
             "Lesson mode: a one-token prompt, so the counts are the lesson's"
             if lesson
-            else "Lesson mode off: the full prompt",
-            timeout=4,
+            else "Lesson mode off: the full prompt" + (f"; {said}" if said else ""),
+            timeout=6 if said else 4,
         )
 
     def action_pause(self) -> None:

@@ -16,9 +16,12 @@ headless test. This module is their kit, and kvtui's own screen tests use it:
   figures, their rows of large type, whether the node's paced part of the run is all shown,
   `until_shown`).
 
+    import pytest
+
     from kvtui.testing import RunSettings, headless
 
-    async def test_the_lessons_total():  # pytest-asyncio, or any asyncio runner
+    @pytest.mark.asyncio  # pytest-asyncio's strict mode runs only marked tests
+    async def test_the_lessons_total():
         async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=24, lesson=True)) as run:
             assert await run.until_done() == "done"
             assert run.figure("total") == "300"  # 24 tokens, a 1-token prompt: 24 * 25 / 2

@@ -447,6 +447,29 @@ def check_run(settings: RunSettings) -> EngineSpec:
     return spec
 
 
+def fit_tokens(settings: RunSettings) -> tuple[RunSettings, str]:
+    """The settings with their tokens capped to what the model's positions hold past the
+    prompt, and a line saying so ("" when they fit, or where that is not cheap to know): so
+    that leaving lesson mode after a 4,095-token lesson runs 4,052 tokens on the 44-byte
+    prompt, where it asked for 4,139 positions of 4,096 and failed."""
+    try:
+        known = model_positions(parse_engine(settings.engine))
+        prompt = prompt_positions(settings)
+    except EngineError:  # check_run says why, as the run starts
+        return settings, ""
+    if known is None or (settings.kv_window is not None and "uncached" not in settings.loops):
+        return settings, ""
+    label, limit = known
+    room = limit - prompt
+    if settings.tokens <= room or room < 1:
+        return settings, ""
+    said = (
+        f"{settings.tokens:,} tokens capped to {room:,}: {label} holds {limit:,} positions, "
+        f"{prompt:,} of them the prompt"
+    )
+    return replace(settings, tokens=room), said
+
+
 # --- whether a shape: model fits here, without torch -----------------------------------------
 
 

@@ -88,10 +88,37 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
-def loop_stats(steps: LoopSummary) -> dict[str, Any]:
+def _work(run: RunSummary, *, served: bool) -> dict[str, Any]:
+    """Positions each loop computed over the tokens both made, every sequence's, and their ratio:
+    one count of the same steps, where a loop that stopped early (the cached one, its pool
+    full) made fewer tokens than the other (each loop's whole run: its `positions_computed`)."""
+    if served:  # positions are the server's: not observed over HTTP
+        return {"work_cached": None, "work_uncached": None, "work_ratio": run.positions_speedup()}
+    batch = run.started.batch if run.started else 1
+    uncached, cached = run.work_over(run.compared_steps)
+    return {
+        "work_cached": batch * cached,
+        "work_uncached": batch * uncached,
+        "work_ratio": run.positions_speedup(),
+    }
+
+
+def _growth_note(steps: LoopSummary) -> str:
+    """What `step_ms_growth_per_position` is, and why it is null where it is."""
+    what = "the later steps' time against their position, least-squares slope"
+    if steps.step_seconds_growth_per_position is not None:
+        return what
+    if steps.steps < 4:
+        return f"{what}: null, under three later steps"
+    return f"{what}: null, not resolved above the step-to-step noise (under 2 standard errors)"
+
+
+def loop_stats(steps: LoopSummary, *, served: bool = False) -> dict[str, Any]:
     """Throughput and step-time shape of one loop (times in ms): tokens (steps) per second of
     each sequence and of all of them, the first step's time and the later steps' (TTFT, TPOT)
-    and the positions each computes per second, every sequence's, and the FLOPs torch counted on
+    and the positions each computes per second, every sequence's (ms_per_position is its
+    reciprocal: measured, never negative; the growth of the step time with position is a slope,
+    given only where the steps resolve it), and the FLOPs torch counted on
     the sampled steps beside the formula's."""
     return {
         "tokens": steps.steps,
@@ -104,9 +131,12 @@ def loop_stats(steps: LoopSummary) -> dict[str, Any]:
         "step_ms_p99": _ms(steps.step_seconds_quantile(0.99)),
         "total_s": steps.seconds_total,
         "ms_per_position": _ms(steps.seconds_per_position),
+        "step_ms_growth_per_position": _ms(steps.step_seconds_growth_per_position),
+        "step_ms_growth_note": _growth_note(steps),
         "ttft_s": steps.ttft_s,
         "tpot_s": steps.tpot_s,
         "tpot_first_steps_s": steps.tpot_over(SPEED_STEPS),
+        "positions_computed": None if served else steps.positions_computed,
         "first_step_positions": steps.first_positions if steps.steps else None,
         "first_step_positions_per_s": steps.first_step_positions_per_s,
         "later_step_positions_per_s": steps.later_step_positions_per_s,
@@ -129,6 +159,7 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
         "tokens_before_full_predicted": run.tokens_before_full,
     }
     layout = started.layout
+    served = bool(started.served_by)
     summary: dict[str, Any] = _finite(
         {
             "engine": settings.engine,
@@ -147,15 +178,17 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "identical": run.identical,
             "compared_tokens": run.compared_steps,
             "first_divergence": run.first_divergence,
-            "cached": {**loop_stats(cached), **kv, **_ending(c, "cached")},
-            "uncached": {**loop_stats(uncached), **dict.fromkeys(kv), **_ending(c, "uncached")},
+            "cached": {**loop_stats(cached, served=served), **kv, **_ending(c, "cached")},
+            "uncached": {
+                **loop_stats(uncached, served=served),
+                **dict.fromkeys(kv),
+                **_ending(c, "uncached"),
+            },
             "kv_layout": {**layout.to_json(), "words": layout.words()},
             "kv_heads_model": started.kv_heads_model,
             "speedup_wall": run.wall_speedup(),
             "last_quartile_ratio": run.last_quartile_ratio,
-            "work_cached": None if started.served_by else cached.positions_computed,
-            "work_uncached": None if started.served_by else uncached.positions_computed,
-            "work_ratio": run.positions_speedup(),
+            **_work(run, served=served),
             "kv_bytes_per_token": started.kv_bytes_per_token,
             "kv_capacity_bytes": started.kv_capacity_bytes,
             "kv_pool_source": started.kv_pool_source,

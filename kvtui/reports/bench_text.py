@@ -14,8 +14,12 @@ from kvtui.format import (
     format_count,
     format_int,
     format_ratio,
+    format_seconds,
     safe_text,
 )
+
+FULL = "out_of_memory"
+"""The reason a loop that stopped for its KV pool gives (kvtui.engines.protocol.RunFinished)."""
 
 
 def _kv_lines(r: dict[str, Any]) -> list[str]:
@@ -102,10 +106,22 @@ def _trick_lines(r: dict[str, Any]) -> list[str]:
         )
     stop = cached["tokens_before_full_predicted"]
     finished = cached["finished"]
-    if finished is not None and finished["reason"] == "out_of_memory":
+    if finished is not None and finished["reason"] == FULL:
+        uncached = r["uncached"]
+        went_on, made = uncached["tokens"] > finished["steps"], format_int(uncached["tokens"])
         lines.append(
-            f"  the cached loop stopped at {format_int(finished['steps'])} tokens (measured); "
-            f"predicted {format_int(stop) if stop is not None else 'never'}"
+            f"  the cached loop stopped at {format_int(finished['steps'])} tokens (measured; "
+            f"predicted {format_int(stop) if stop is not None else 'never'}): its KV pool was full"
+            + (
+                f"; the uncached loop keeps no cache and went on to {made}"
+                + (
+                    f" ({format_int(uncached['positions_computed'])} positions computed)"
+                    if uncached["positions_computed"] is not None
+                    else ""
+                )
+                if went_on
+                else ""
+            )
         )
     for loop in ("cached", "uncached"):
         q = r[loop]["quality"]
@@ -162,9 +178,21 @@ def format_table(r: dict[str, Any]) -> str:
     def seconds_ms(v: float | None) -> str:
         return "-" if v is None else ms(v * 1e3)
 
+    def per_position(v: float | None) -> str:
+        return "-" if v is None else format_seconds(v / 1e3)
+
+    def growth(loop: str) -> str:
+        v = r[loop]["step_ms_growth_per_position"]
+        if v is not None:
+            return f"+{format_seconds(v / 1e3)}"
+        return "within noise" if r[loop]["tokens"] >= 4 else "-"
+
     def both(key: str, show: Callable[[float | None], str]) -> tuple[str, str]:
         return show(r["cached"][key]), show(r["uncached"][key])
 
+    made = {loop: r[loop]["tokens"] for loop in ("cached", "uncached")}
+    both_made = r["compared_tokens"]
+    short = any(n != both_made for n in made.values())  # a loop stopped before the other
     rows = [
         ("", "cached", "uncached"),
         (
@@ -175,6 +203,8 @@ def format_table(r: dict[str, Any]) -> str:
         ("time per later token", *both("tpot_s", seconds_ms)),
         ("positions/s, first step", *both("first_step_positions_per_s", tps)),
         ("positions/s, later steps", *both("later_step_positions_per_s", tps)),
+        ("time per position computed", *both("ms_per_position", per_position)),
+        ("step growth per position", growth("cached"), growth("uncached")),
         ("step p50", ms(r["cached"]["step_ms_p50"]), ms(r["uncached"]["step_ms_p50"])),
         (
             "step, first quartile",
@@ -186,12 +216,15 @@ def format_table(r: dict[str, Any]) -> str:
             ms(r["cached"]["step_ms_last_quartile"]),
             ms(r["uncached"]["step_ms_last_quartile"]),
         ),
-        ("positions computed", *(format_int(r[k] or 0) for k in ("work_cached", "work_uncached"))),
+        (
+            "positions computed" + (f", first {format_int(both_made)} tokens" if short else ""),
+            *(format_int(r[k] or 0) for k in ("work_cached", "work_uncached")),
+        ),
     ]
     if r["batch"] > 1:
         rows.insert(2, ("tokens/s, all sequences", *both("tokens_per_s_total", tps)))
     if r["served_by"]:  # positions are the server's: not observed over HTTP
-        rows = [row for row in rows if not row[0].startswith("positions")]
+        rows = [row for row in rows if "position" not in row[0]]
     width = max(len(row[0]) for row in rows)
     lines = [
         f"{r['model']} on {r['device']} ({r['dtype']}"
@@ -200,6 +233,12 @@ def format_table(r: dict[str, Any]) -> str:
         f"{r['prompt_tokens']} prompt + {r['tokens']} tokens"
         + (f", a batch of {r['batch']} sequences" if r["batch"] > 1 else "")
     ]
+    if short:
+        lines[0] += " asked: " + ", ".join(
+            f"the {loop} loop made {format_int(n)}"
+            + (" (its KV pool full)" if (r[loop]["finished"] or {}).get("reason") == FULL else "")
+            for loop, n in made.items()
+        )
     if r["timing"] != "measured":
         lines.append(f"  every time and rate below is {r['timing']}: arithmetic, not a measurement")
     lines += [f"  {a:<{width}}  {b:>14}  {c:>14}" for a, b, c in rows]
@@ -210,8 +249,9 @@ def format_table(r: dict[str, Any]) -> str:
     else:
         lines.append("  tokens: nothing to compare (a loop made none)")
     if r["speedup_wall"] and r["work_ratio"]:
+        over = f" over the {format_int(both_made)} tokens both made" if short else ""
         lines.append(
-            f"  speedup: {format_ratio(r['speedup_wall'])} {r['timing']}, "
+            f"  speedup{over}: {format_ratio(r['speedup_wall'])} {r['timing']}, "
             f"{format_ratio(r['work_ratio'])} in positions computed"
         )
     lines += _served_lines(r) if r["served_by"] else _kv_lines(r) + _trick_lines(r)

@@ -141,11 +141,15 @@ def check_table(base: RunSettings) -> None:
 
 
 def _speed(loop: dict[str, Any]) -> dict[str, Any]:
+    """A row's speed: its own run's, by itself at whatever moment it ran (`alone`); a torch
+    table adds the layouts' steps timed in turns (`in_turns`, run_table)."""
     return {
-        "tokens_per_s": loop["tokens_per_s_per_sequence"],
-        "ttft_s": loop["ttft_s"],
-        "tpot_s": loop["tpot_s"],
-        "tpot_first_steps_s": loop["tpot_first_steps_s"],
+        "alone": {
+            "tokens_per_s": loop["tokens_per_s_per_sequence"],
+            "ttft_s": loop["ttft_s"],
+            "tpot_s": loop["tpot_s"],
+            "tpot_first_steps_s": loop["tpot_first_steps_s"],
+        }
     }
 
 
@@ -179,6 +183,7 @@ def run_row(
         prompt_tokens=r["prompt_tokens"],
         tokens=r["tokens"],
         kv_capacity_bytes=r["kv_capacity_bytes"],
+        kv_dtype=settings.layout.storage_dtype(r["dtype"]),
         kv_bytes_per_token=cached["kv_bytes_per_token"],
         kv_bytes_per_token_formula=cached["kv_bytes_per_token_formula"],
         steps=cached["tokens"],
@@ -297,10 +302,12 @@ SPEED_STEPS = 128
 """The layouts' steps timed in turns after the rows: rounds of this many cached steps each."""
 
 
-def speeds_in_turns(base: RunSettings) -> dict[str, float]:
+def speeds_in_turns(base: RunSettings) -> dict[str, dict[str, Any]]:
     """Each row's cached step against the plain cache's, the layouts taking turns so that a
     shared machine's drift falls on all alike (kvtui.engines.quality.step_ms_in_turns): row key ->
-    the plain step's time over the row's (above 1: faster). kvtui's own torch engines only."""
+    the median round's step time (`step_s`), its tokens per second and the plain step's time over
+    the row's (`vs_plain`, above 1: faster), all of the same rounds, so they agree. kvtui's own
+    torch engines only."""
     import statistics
 
     from kvtui.engines.quality import step_ms_in_turns
@@ -325,7 +332,16 @@ def speeds_in_turns(base: RunSettings) -> dict[str, float]:
     finally:
         engine.close()
     plain = statistics.median(times["plain"])
-    return {key: plain / statistics.median(t) for key, t in times.items()}
+    return {
+        key: {
+            "step_s": statistics.median(t) / 1e3,
+            "tokens_per_s": 1e3 / statistics.median(t),
+            "vs_plain": plain / statistics.median(t),
+            "rounds": SPEED_ROUNDS,
+            "steps": SPEED_STEPS,
+        }
+        for key, t in times.items()
+    }
 
 
 def run_table(
@@ -335,8 +351,8 @@ def run_table(
     progress: Callable[[str], None] = lambda line: None,
 ) -> Iterator[dict[str, Any]]:
     """Every row of the table, in order, as each is measured; then, on a torch engine, the rows
-    again with their speed against the plain cache's timed in turns (`speed.vs_plain_in_turns`):
-    a row's own speed is of its run alone, at whatever moment it ran."""
+    again with their speed timed in turns against the plain cache's (`speed.in_turns`): a row's
+    own speed (`speed.alone`) is of its run alone, at whatever moment it ran."""
     base = table_base(settings)
     check_table(base)
     rows = []
@@ -345,13 +361,12 @@ def run_table(
         yield rows[-1]
     if parse_engine(base.engine).can.torch:  # kvtui's decoder (check_table: its own engines)
         progress(f"the layouts' steps in turns ({SPEED_ROUNDS} rounds of {SPEED_STEPS})")
-        ratios = speeds_in_turns(base)
+        timed = speeds_in_turns(base)
         for measured in rows:
-            if measured["key"] in ratios:
+            if measured["key"] in timed:
                 measured["speed"] = {
                     **measured.get("speed", {}),
-                    "vs_plain_in_turns": ratios[measured["key"]],
-                    "in_turns": f"{SPEED_ROUNDS} rounds of {SPEED_STEPS} steps",
+                    "in_turns": timed[measured["key"]],
                 }
                 yield measured
 

@@ -23,6 +23,7 @@ run's end than at its start.
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -202,16 +203,31 @@ class LoopSummary:
         return statistics.median(self.step_seconds[-max(1, self.steps // 4) :])
 
     @property
-    def seconds_per_position(self) -> float | None:
-        """Least-squares slope of the later steps' time against their position (each step's
-        position is the one before's plus one): how much longer each step takes than the last."""
+    def step_seconds_growth_per_position(self) -> float | None:
+        """How much longer each later step takes than the one before (its position one more):
+        the least-squares slope of the later steps' times, where the steps resolve it. None
+        where they do not: under three later steps, or a slope under twice its standard error
+        (noise makes such a slope come out negative as often as not, and a step is never
+        quicker for holding more). A slope, not a time per position: see `seconds_per_position`
+        for that."""
         ys = self.step_seconds[1:]
-        if len(ys) < 2:
+        n = len(ys)
+        if n < 3:
             return None
-        xs = range(len(ys))
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
+        mx, my = (n - 1) / 2, statistics.fmean(ys)
+        sxx = sum((x - mx) ** 2 for x in range(n))
+        slope = sum((x - mx) * (y - my) for x, y in enumerate(ys)) / sxx
+        residual = sum((y - my - slope * (x - mx)) ** 2 for x, y in enumerate(ys))
+        standard_error = math.sqrt(residual / (n - 2) / sxx)
+        return slope if slope > 0 and slope > 2 * standard_error else None
+
+    @property
+    def seconds_per_position(self) -> float | None:
+        """The later steps' time over the positions they computed, every sequence's: what one
+        position costs as this loop computes them (measured, never negative). The reciprocal
+        of `later_step_positions_per_s`."""
+        rate = self.later_step_positions_per_s
+        return 1 / rate if rate else None
 
     # --- bytes and FLOPs -----------------------------------------------------------------------
 

@@ -19,6 +19,10 @@ from textual.widgets.option_list import Option
 
 from kvtui.widgets.footer import KeysFooter
 
+SESSION_SEED = random.SystemRandom().randrange(2**32)
+"""Orders the answers for this session (one run of kvtui): each session its own order, so the
+place of an answer is no tell; a test passes its own seed to reproduce one."""
+
 
 @dataclass(frozen=True)
 class Question:
@@ -153,10 +157,11 @@ class QuizScreen(Screen[int]):
         Binding("n", "next", "Next question"),
     ]
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         super().__init__()
-        self.seed = seed
-        """Orders each question's answers (`answers`): the same seed, the same order."""
+        self.seed = SESSION_SEED if seed is None else seed
+        """Orders each question's answers (`answers`): the same seed, the same order; the
+        session's by default."""
         self.index = 0
         self.right: set[int] = set()
 
@@ -190,7 +195,7 @@ class QuizScreen(Screen[int]):
         options.add_options(
             Option(text, id=str(i)) for i, (text, _, _) in enumerate(self.answers())
         )
-        options.highlighted = 0
+        options.highlighted = None  # enter alone picks nothing: ↓ first, to the first answer
         options.focus()
         feedback = self.query_one("#feedback", Static)
         feedback.remove_class("-right", "-wrong")

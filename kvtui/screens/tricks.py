@@ -34,6 +34,7 @@ from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import Event, RunSettings
 from kvtui.format import format_bytes, format_int, safe_text
 from kvtui.reports.table import TABLE_ROWS, TABLE_SINKS, TABLE_TOKENS, TABLE_WINDOW, default_budget
+from kvtui.reports.tricks import reference_baseline
 from kvtui.run.live import LiveRun
 from kvtui.run.process import EngineHandle
 from kvtui.screens.base import LessonScreen
@@ -412,15 +413,19 @@ class TricksScreen(LessonScreen):
             how = f"measured here{f' (CPU {cpu})' if cpu else ''}"
         pool = f"{format_bytes(budget)} pool" if isinstance(budget, int) else "one pool"
         raced = any(
-            row.get("raced") and (row.get("speed") or {}).get("vs_plain_in_turns")
+            row.get("raced") and "in_turns" in (row.get("speed") or {})
             for row in table.rows.values()
         )
         if not table.started:
             return Text(f"{how}: measured once nothing else decodes (its speeds want the CPU)")
         timing = len(table.rows) == len(TABLE_ROWS) and not table.done
+        plain = (table.rows.get("plain") or {}).get("kv_dtype")
+        modelled = parse_engine(table.engine or "tiny").can.modelled
         return Text(
-            f"{how}, {pool} · ✓ = formula, prediction · reach: vs plain · Δ, top-1: held-out "
-            "text · speed: vs plain, in turns"
+            f"{how}, {pool} · ✓ = formula, prediction · reach: vs plain"
+            + (f" ({plain})" if isinstance(plain, str) else "")
+            + " · Δ, top-1: held-out text · speed: vs plain, "
+            + ("each row's own run" if modelled else "in turns")
             + (" (beside another run)" if raced else "")
             + (" · timing them…" if timing else "")
         )
@@ -516,4 +521,7 @@ class TricksScreen(LessonScreen):
         if refs:
             words.append("Published, a reference (not measured here): ", style="italic")
             words.append("; ".join(r.short or r.claim for r in refs))
+            against = reference_baseline(key or "", self.table.rows.values())
+            if against:
+                words.append(f" ({against})")
         return words

@@ -362,7 +362,7 @@ PUBLISHED: tuple[Reference, ...] = (
         "without fused dequantization",
         "vLLM docs, Quantized KV Cache (docs.vllm.ai/en/v0.11.2/features/quantization/"
         "quantized_kvcache)",
-        "vLLM: an fp8 cache holds about 2x the tokens",
+        "vLLM: an fp8 cache holds about 2x the tokens of a 16-bit one",
     ),
     Reference(
         "int8",

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from kvtui.format import format_int, format_ratio
 from kvtui.reports.table import TABLE_ROWS, TABLE_SINKS, TABLE_WINDOW
+from kvtui.reports.tricks import row_speed
 
 SHORT_LABELS = {
     "plain": "plain cache",
@@ -139,16 +140,13 @@ def cells(row: dict[str, Any], plain: dict[str, Any] | None) -> list[Text]:
 
 
 def speed(row: dict[str, Any], plain: dict[str, Any] | None) -> Text:
-    """The row's step against the plain cache's: timed in turns where the table did (a torch
-    engine), else its own run's (modelled on sim:); "…" while the turns are still to come."""
-    speed = row.get("speed") or {}
-    in_turns = speed.get("vs_plain_in_turns")
-    if in_turns:
-        return Text(f"{in_turns:.2f}x")
-    if row.get("how") == "measured":
+    """The row's step against the plain cache's (kvtui.reports.tricks.row_speed): timed in turns
+    where the table does (a measured one), else its own run's (modelled on sim:); "…" while the
+    turns are still to come."""
+    measured = row.get("how") == "measured"
+    ratio = row_speed(row, plain, in_turns=measured).vs_plain
+    if ratio:
+        return Text(f"{ratio:.2f}x")
+    if measured:
         return Text("…" if row.get("key") not in ("prefix",) else "", style="dim")
-    tpot = speed.get("tpot_first_steps_s")
-    base = ((plain or {}).get("speed") or {}).get("tpot_first_steps_s")
-    if row.get("baseline"):
-        base = (row["baseline"].get("speed") or {}).get("tpot_first_steps_s")
-    return Text(format_ratio(base / tpot)) if tpot and base else Text("")
+    return Text("")

@@ -411,14 +411,14 @@ def test_a_record_whose_cache_layout_no_run_can_have_is_corrupt(tmp_path, capsys
     assert "corrupt record" in err and says in err
 
 
-def test_the_tables_tpot_note_names_the_steps_bench_takes_it_over(monkeypatch, capsys):
-    """The TPOT column is bench's `tpot_first_steps_s`, over bench.SPEED_STEPS steps: the note
-    under the table reads that number, where it wrote 256 beside it."""
+def test_the_tables_step_note_names_the_steps_bench_takes_it_over(monkeypatch, capsys):
+    """A modelled table's step column is bench's `tpot_first_steps_s`, over bench.SPEED_STEPS
+    steps: the note under the table reads that number, where it wrote 256 beside it."""
     import kvtui.reports.bench as bench
 
     monkeypatch.setattr(bench, "SPEED_STEPS", 64)
     assert main(["tricks", "--engine", "sim:llama-3.1-8b@h100", "--tokens", "100"]) == 0
-    assert "TPOT (the mean of the first 64 steps after the first)" in capsys.readouterr().out
+    assert "the mean of the first 64 steps after the first" in capsys.readouterr().out
 
 
 def test_a_layout_whose_pool_cannot_hold_the_prompt_says_so():

@@ -361,6 +361,37 @@ def test_bench_reports_the_pool_and_where_the_cached_loop_stopped(capsys):
     assert "96 KiB allocated (2 blocks)" in table and "full at token 32" in table
 
 
+def test_a_run_the_pool_stopped_prints_every_count_over_the_same_tokens(capsys):
+    """The cached loop stops at 32 (96 KiB), the uncached goes on to 40: the positions beside
+    16.5x are both loops' over the 32 tokens both made (32 and 528), where the table printed
+    "positions computed 32 / 820" (the uncached loop's 40 tokens) beside the 32 tokens' 16.5x."""
+    args = ["--device", "cpu", "--lesson", "--tokens", "40", "--greedy", "--kv-budget", "96KiB"]
+    r = bench_json(capsys, *args)
+    assert (r["work_cached"], r["work_uncached"]) == (32, 528)  # the lesson's 528 / 32
+    assert r["work_ratio"] == r["work_uncached"] / r["work_cached"] == 16.5
+    assert r["cached"]["positions_computed"] == 32 and r["uncached"]["positions_computed"] == 820
+    assert main(["bench", *args]) == 0
+    table = capsys.readouterr().out
+    head, positions = table.splitlines()[0], _row(table, "positions computed")
+    assert head.endswith(
+        "1 prompt + 40 tokens asked: the cached loop made 32 (its KV pool full), "
+        "the uncached loop made 40"
+    )
+    assert positions == ["positions computed, first 32 tokens", "32", "528"]
+    assert "speedup over the 32 tokens both made:" in table and "16.5x in positions" in table
+    assert (
+        "the cached loop stopped at 32 tokens (measured; predicted 32): its KV pool was full; "
+        "the uncached loop keeps no cache and went on to 40 (820 positions computed)"
+    ) in table
+
+
+def _row(table: str, label: str) -> list[str]:
+    """A row of bench's table: its label, then its cells."""
+    line = next(line.strip() for line in table.splitlines() if line.strip().startswith(label))
+    name, *cells = [c for c in line.split("  ") if c]
+    return [name.strip(), *(c.strip() for c in cells)]
+
+
 def test_the_budget_is_refused_where_kvtui_keeps_no_pool(capsys, tmp_path):
     assert main(["bench", "--model", str(tmp_path), "--kv-budget", "1MiB"]) == 2
     err = capsys.readouterr().err

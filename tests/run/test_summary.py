@@ -23,7 +23,7 @@ from kvtui.engines.protocol import (
     StepSample,
 )
 from kvtui.engines.replay import RecordWriter
-from kvtui.reports.bench import run_bench
+from kvtui.reports.bench import loop_stats, run_bench
 from kvtui.reports.bench_text import format_table
 from kvtui.run.columns import MAX_POINTS, Column
 from kvtui.run.live import LiveRun
@@ -139,8 +139,28 @@ def test_first_and_later_step_times_and_rates():
     assert cached.later_step_positions_per_s == 2 / 0.25  # one position a step, each
     assert cached.step_seconds_p50 == 0.25 and cached.step_seconds_quantile(0.99) == 0.5
     assert cached.step_seconds_first_quartile == 0.5 and cached.step_seconds_last_quartile == 0.25
-    assert cached.seconds_per_position == 0  # flat after the prefill
+    assert cached.seconds_per_position == 0.25 / 2  # one position of each sequence a step
+    assert cached.step_seconds_growth_per_position is None  # flat after the prefill
     assert s.wall_speedup() == (5 * 0.5) / 1.5
+
+
+def timed(times: list[float]) -> list:
+    """A cached loop whose steps took `times`, the first a prefill."""
+    return [started(len(times)), *(step("cached", i, t) for i, t in enumerate(times))]
+
+
+def test_a_time_per_position_is_never_negative_and_a_slope_only_where_resolved():
+    # later steps that get quicker by noise: the old least-squares "seconds per position" was
+    # a slope, -1/64 s here, printed as a time
+    noisy = summarize_events(timed([0.5, 0.5, 0.25, 0.5, 0.25, 0.25, 0.25])).loop("cached")
+    assert noisy.seconds_per_position == 2 / 6 > 0  # 2 s over 6 positions, measured
+    assert noisy.step_seconds_growth_per_position is None  # not a time, and not resolved
+    steady = summarize_events(timed([1.0, 0.25, 0.5, 0.75, 1.0, 1.25])).loop("cached")
+    assert steady.step_seconds_growth_per_position == 0.25  # exact: no noise at all
+    assert steady.seconds_per_position == 3.75 / 5
+    stats = loop_stats(noisy)
+    assert stats["ms_per_position"] > 0 and stats["step_ms_growth_per_position"] is None
+    assert "noise" in stats["step_ms_growth_note"]
 
 
 def test_no_steps_means_no_figures():

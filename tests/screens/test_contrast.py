@@ -86,7 +86,8 @@ def _answer(run: HeadlessRun, *, right: bool) -> list[str]:
     quiz = run.app.screen
     assert isinstance(quiz, QuizScreen)
     target = [is_right for _, is_right, _ in quiz.answers()].index(right)
-    here = quiz.query_one(OptionList).highlighted or 0
+    here = quiz.query_one(OptionList).highlighted
+    here = -1 if here is None else here  # none highlighted: the first ↓ goes to the first
     return ["down"] * (target - here) if target >= here else ["up"] * (here - target)
 
 

@@ -10,6 +10,7 @@ from test_screens import settle
 
 from kvtui.engines.protocol import RunSettings
 from kvtui.engines.roofline import MODELLED
+from kvtui.screens.quiz import QuizScreen
 from kvtui.testing import headless
 from kvtui.widgets.chart import rolling_median
 from kvtui.widgets.vram import VramBar
@@ -167,7 +168,11 @@ async def test_80x24_help_fits_without_scrolling():
 async def test_80x24_quiz_shows_the_feedback_whole():
     app = build(3)
     async with app.run_test(size=SMALL) as pilot:
-        await pilot.press("t", "n", "n", "n", "down", "enter")  # the closing question
+        await pilot.press("t", "n", "n", "n")  # the closing question
+        quiz = app.screen
+        assert isinstance(quiz, QuizScreen)
+        right = [is_right for _, is_right, _ in quiz.answers()].index(True)
+        await pilot.press(*["down"] * (right + 1), "enter")
         await pilot.pause()
         text = " ".join(screen_text(app).replace("│", " ").split())
         assert "bigger GPU are the ways out." in text

@@ -268,7 +268,8 @@ def _to_answer(quiz: QuizScreen, *, right: bool) -> list[str]:
     """The keys from the highlighted answer to the first right (or wrong) one, as shown."""
     shown = [is_right for _, is_right, _ in quiz.answers()]
     target = shown.index(right)
-    here = quiz.query_one(OptionList).highlighted or 0
+    here = quiz.query_one(OptionList).highlighted
+    here = -1 if here is None else here  # none highlighted: the first ↓ goes to the first
     return ["down"] * (target - here) if target >= here else ["up"] * (here - target)
 
 
@@ -297,6 +298,36 @@ async def test_the_quiz_shuffles_and_balances_its_answers_and_hides_them_while_a
                 assert feedback[:40] not in text
             assert "memory, not compute" not in text and "P + t - 1" not in text
             await pilot.press("n")
+
+
+async def test_enter_alone_answers_nothing_and_each_session_orders_the_answers_its_own_way():
+    """The right answer of questions 1 and 3 was the first, highlighted when the question
+    opened: enter alone scored. Nothing is highlighted now, and the order is the session's
+    seed's (a test reproduces one by passing it)."""
+    app = build(3)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("t")
+        quiz = app.screen
+        assert isinstance(quiz, QuizScreen)
+        feedback = quiz.query_one("#feedback", Static)
+        for _ in QUESTIONS:
+            assert quiz.query_one(OptionList).highlighted is None
+            await pilot.press("enter")
+            assert not feedback.has_class("-right") and not feedback.has_class("-wrong")
+            await pilot.press("n")
+        assert quiz.right == set()
+    orders = {
+        tuple(tuple(text for text, _, _ in QuizScreen(seed=seed).answers(i)) for i in range(4))
+        for seed in range(8)
+    }
+    assert len(orders) > 1  # each session its own order
+    assert QuizScreen().seed == QuizScreen().seed  # one seed a session
+    for index in range(len(QUESTIONS)):  # over sessions, the right answer takes every place
+        places = {
+            [right for _, right, _ in QuizScreen(seed=seed).answers(index)].index(True)
+            for seed in range(32)
+        }
+        assert places == set(range(len(QUESTIONS[index].answers)))
 
 
 async def test_help_opens_and_closes():

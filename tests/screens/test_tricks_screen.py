@@ -54,6 +54,18 @@ async def test_the_table_and_the_race_fit_80x24_and_say_where_each_figure_came_f
         assert "✓" in text
 
 
+async def test_the_reach_and_the_published_ratio_say_what_the_plain_cache_here_is():
+    """fp8's reach beside vLLM's "about 2x": the published figure is against a 16-bit cache,
+    the ratio here against this plain cache (bf16 on sim:llama-3.1-8b: 2x by the format)."""
+    async with headless(SIM, screen=4, size=(100, 30)) as run:
+        await _race_and_table_done(run)
+        text = " ".join(run.text().split())
+        assert "reach: vs plain (bf16)" in text
+        assert "speed: vs plain, each row's own run" in text  # sim: times no turns
+        assert "about 2x the tokens of a 16-bit one" in text
+        assert "the plain cache here is bf16, 2 bytes a value, so fp8's 1 byte is 2x" in text
+
+
 async def test_keys_pick_the_trick_and_its_setting_and_race_again():
     async with headless(SIM, screen=4, size=(100, 30)) as run:
         screen = await _race_and_table_done(run)
