@@ -128,11 +128,11 @@ class FleetWatch:
         idle = low < IDLE_USAGE and not (low_m.requests_waiting or 0)
         if busy and idle and high_i != low_i:
             waiting = high_m.requests_waiting or 0
-            state = "is full" if high >= FULL_USAGE else f"queues {waiting:,}"
+            state = "full" if high >= FULL_USAGE else f"queues {waiting:,}"
             queue = f", {waiting:,} waiting" if waiting and high >= FULL_USAGE else ""
             return (
                 f"Skewed: {names[high_i]} {state} (KV {format_percent(high)}{queue}) while "
-                f"{names[low_i]} idles (KV {format_percent(low)}): the load is not spread."
+                f"{names[low_i]} idles (KV {format_percent(low)})."
             )
         if high - low >= SKEW_GAP:
             return (

@@ -106,7 +106,7 @@ def fleet_lines(
     )
     lines.append(
         (
-            f"Fleet, {t.answering} of {t.replicas} answering (kvtui's sums): "
+            f"Fleet ({t.answering}/{t.replicas} answering, kvtui's sums): "
             f"{capacity}{usage}{t.running:,} run, {t.waiting:,} wait, "
             f"{format_count(t.preemptions_seen, 'preemption')}{hits}",
             "bold",
@@ -119,9 +119,7 @@ def fleet_lines(
     if gone and len(gone) < fleet.size:
         which = ", ".join(names[i] for i in gone)
         rest = fleet.size - len(gone)
-        lines.append(
-            (f"{which} stopped answering; the other {rest} still watched, totals without it", "bad")
-        )
+        lines.append((f"{which} stopped answering; the other {rest} still watched", "bad"))
     return [(safe_text(text, one_line=True), style) for text, style in lines]
 
 

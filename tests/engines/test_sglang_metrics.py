@@ -95,3 +95,14 @@ def test_an_sglang_server_s_polls_fold_like_vllm_s():
     watch.add(after)
     assert watch.preemptions_seen == 2
     assert watch.prefix_queries_seen == 0  # no request finished between the two
+
+
+def test_bench_json_says_sglang_s_pool_in_tokens():
+    from kvtui.reports.bench import served_summary
+    from kvtui.run.summary import RunSummary
+
+    run = RunSummary()
+    run.apply(server_metrics(BUSY, 1.0))
+    summary = served_summary(run)
+    assert (summary["kv_used_tokens"], summary["kv_evictable_tokens"]) == (137_216, 96_256)
+    assert summary["kv_free_tokens"] == 208_320 and summary["requests_waiting"] == 7

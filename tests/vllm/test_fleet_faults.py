@@ -87,7 +87,7 @@ async def test_screen_3_draws_a_row_per_replica_and_names_the_one_gone(two):
 
         def drawn() -> bool:
             text = screen_text(app)
-            return f"2 127.0.0.1:{port_b}" in text and "Fleet, 2 of 2 answering" in text
+            return f"2 127.0.0.1:{port_b}" in text and "Fleet (2/2 answering" in text
 
         await wait_for(pilot, drawn, timeout=30)
         text = screen_text(app)
@@ -96,7 +96,7 @@ async def test_screen_3_draws_a_row_per_replica_and_names_the_one_gone(two):
         b.kill()
         gone = f"replica 2 (127.0.0.1:{port_b}) stopped answering; the other 1 still watched"
         await wait_for(pilot, lambda: gone in screen_text(app), timeout=30)
-        assert "Fleet, 1 of 2 answering" in screen_text(app)
+        assert "Fleet (1/2 answering" in screen_text(app)
 
 
 def test_bench_json_gives_servers_each_shaped_like_server(two, capsys):
@@ -155,3 +155,13 @@ def test_a_run_that_ends_is_finished_whatever_the_watched_replicas_do(two):
     finished = [e for e in events if isinstance(e, RunFinished)]
     assert finished and finished[-1].reason == "done"
     assert any(isinstance(e, ServerMetrics) and e.replica == 1 and e.error for e in events)
+
+
+def test_bench_s_table_has_a_line_per_other_replica(two, capsys):
+    a, b = two
+    argv = ["bench", "--engine", f"vllm:{a.url},{b.url}", "--tokens", "4", "--greedy"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "a fleet of 2 replicas; the decode ran on replica 1, every one watched:" in out
+    assert f"replica 2 ({b.url}): KV cache (no prediction: no config.json for fake-model" in out
+    assert "usage peak 0%, preemptions while watched: 0" in out
