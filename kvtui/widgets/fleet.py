@@ -82,7 +82,7 @@ def fleet_lines(
     lines: list[tuple[str, str]] = []
     for i, watch in enumerate(fleet.replicas):
         m = watch.latest
-        where = f"{i + 1} {urls[i].netloc if i < len(urls) else '?'}"
+        where = f"{i + 1} {urls[i].netloc}" if i < len(urls) else f"replica {i + 1}"  # a replay
         where += " decode" if i == FLEET_DECODE else ""
         other = m is not None and m.model and (started is None or m.model != started.model)
         model = f" · serves {m.model}" if m is not None and other else ""

@@ -169,3 +169,11 @@ def test_text_from_a_server_is_drawn_escaped():
     fleet.add(replace(poll(1), model="m"))
     lines = [text for text, _ in fleet_lines(fleet, started(), URLS)]
     assert all("\x1b" not in line for line in lines)
+
+
+def test_rows_without_the_servers_list_name_replicas_by_place():
+    fleet = FleetWatch()
+    fleet.add(poll(0))
+    fleet.add(poll(1))
+    lines = [text for text, _ in fleet_lines(fleet, None, ())]  # a replayed record's
+    assert lines[0].startswith("replica 1 decode · ") and lines[2].startswith("replica 2 · ")
