@@ -34,6 +34,7 @@ from kvtui.inputs import argv_text
 from kvtui.options import (
     DEFAULT_APP_TOKENS,
     LOOP_CHOICES,
+    GivenOnce,
     Parser,
     UsageError,
     add_run_options,
@@ -287,7 +288,12 @@ def _add_tricks(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "tricks", help="the tricks that stretch the KV cache, each measured on the live model"
     )
-    p.add_argument("--engine", default="tiny", help="tiny (default), shape:MODEL or sim:MODEL@GPU")
+    p.add_argument(
+        "--engine",
+        default="tiny",
+        action=GivenOnce,
+        help="tiny (default), shape:MODEL or sim:MODEL@GPU",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--tokens",

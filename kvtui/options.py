@@ -238,6 +238,28 @@ def dtype_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+class GivenOnce(argparse.Action):
+    """An option that may be given once: a second one is an error (argparse's own `store` lets
+    the last win, silently), and says how to give several servers instead."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        seen = f"_{self.dest}_given"
+        if getattr(namespace, seen, None) is not None:
+            parser.error(
+                f"argument {option_string}: given twice ({str(getattr(namespace, seen))[:60]!r}, "
+                f"then {str(values)[:60]!r}); give it once (several vLLM servers: "
+                "vllm:URL1,URL2,...)"
+            )
+        setattr(namespace, seen, values)
+        setattr(namespace, self.dest, values)
+
+
 DEFAULT_APP_TOKENS = 256
 """Tokens the app's run generates unless `--tokens` says otherwise."""
 LESSON_TOKENS = 24
@@ -249,8 +271,10 @@ def add_run_options(group: Any, *, app: bool) -> None:
     group.add_argument(
         "--engine",
         default="tiny",
+        action=GivenOnce,
         help="tiny (default), shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE or "
-        "vllm:URL (a running vLLM server, watched)",
+        "vllm:URL (a running vLLM server, watched; vllm:URL1,URL2,... a fleet of replicas, "
+        "the decode on the first)",
     )
     group.add_argument(
         "--device",

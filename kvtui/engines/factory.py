@@ -39,7 +39,9 @@ from kvtui.gpu.probe import cuda_visible
 from kvtui.inputs import InputError, user_path
 from kvtui.paths import TINY_NAME
 
-ENGINE_FORMS = "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR, vllm:URL"
+ENGINE_FORMS = (
+    "tiny, shape:MODEL, sim:MODEL@GPU, sim:MODEL@NxGPU, replay:FILE, hf:DIR, vllm:URL[,URL...]"
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,11 @@ class EngineSpec:
     path: Path | None = None
     """The record of `replay:`, the model directory of `hf:`."""
     url: ServerURL | None = None
-    """The server of `vllm:`, checked (http or https, a host, no credentials)."""
+    """The server of `vllm:`, checked (http or https, a host, no credentials): the first of
+    `urls`, the replica the decode itself runs on."""
+    urls: tuple[ServerURL, ...] = ()
+    """Every server of `vllm:URL1,URL2,...` (a fleet of replicas, all watched), in the order
+    given; one for `vllm:URL` (kvtui.engines.vllm.fleet.parse_urls)."""
 
     @property
     def can(self) -> Capabilities:
@@ -97,9 +103,12 @@ def parse_engine(name: str) -> EngineSpec:
         gpus, gpu = _gpu_count(gpu.strip())
         return EngineSpec("sim", model=model.strip(), gpu=gpu, gpus=gpus)
     if kind == "vllm":
+        from kvtui.engines.vllm.fleet import parse_urls
+
         if not arg:
             raise EngineError("vllm: needs the server's URL, e.g. vllm:http://127.0.0.1:8000")
-        return EngineSpec("vllm", url=ServerURL.parse(arg, "vllm:"))
+        urls = parse_urls(arg, "vllm:")
+        return EngineSpec("vllm", url=urls[0], urls=urls)
     if not arg:
         example = "replay:runs/h100.jsonl" if kind == "replay" else "hf:~/models/Llama-3.2-1B"
         raise EngineError(f"{kind}: needs a path, e.g. {example}")
@@ -161,7 +170,7 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
         from kvtui.engines.vllm.engine import VLLMEngine
 
         assert spec.url is not None  # parse_engine sets it for vllm:
-        return VLLMEngine.open(settings, spec.url)
+        return VLLMEngine.open(settings, spec.url, spec.urls[1:])
     from kvtui.engines.hf import open_hf_engine
 
     assert spec.path is not None  # parse_engine sets it for hf:

@@ -411,6 +411,13 @@ class ServerMetrics:
     """vLLM's --num-gpu-blocks-override, when set: the blocks are then not what memory holds."""
     max_concurrency: float | None = None
     """vLLM's "maximum concurrency" of max_model_len-token requests."""
+    kv_used_tokens: int | None = None
+    """Token slots running requests hold (SGLang's kv_used_tokens; vLLM says only a share)."""
+    kv_evictable_tokens: int | None = None
+    """Token slots holding prefix-cached keys and values no request holds, freed when needed
+    (SGLang's kv_evictable_tokens)."""
+    kv_free_tokens: int | None = None
+    """Token slots holding nothing (SGLang's kv_available_tokens)."""
     requests_running: int | None = None
     requests_waiting: int | None = None
     waiting_reasons: tuple[str, ...] = ()
@@ -429,6 +436,11 @@ class ServerMetrics:
     itl_seconds_sum: float | None = None
     """The server's inter-token latency histogram: its sum of seconds and count of gaps."""
     itl_count: int | None = None
+    replica: int = 0
+    """Which server of a fleet (`vllm:URL1,URL2,...`) this poll read, by its place in the list
+    from 0; 0 for a single server (the one the decode runs on)."""
+    model: str = ""
+    """The model the server says it serves in its metrics' `model_name` label ("": not said)."""
     kind: str = field(default="server", init=False)
 
 

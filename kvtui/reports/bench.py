@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from kvtui.engines.drive import run_events
-from kvtui.engines.factory import check_run, open_engine
+from kvtui.engines.factory import check_run, open_engine, parse_engine
 from kvtui.engines.protocol import (
     Event,
     Loop,
@@ -205,18 +205,31 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
             "ridge_source": started.ridge_source,
             "served_by": started.served_by,
             "server": served_summary(run) if started.served_by else None,
+            "servers": fleet_summary(run, settings.engine) if started.served_by else None,
             "messages": run.messages,
         }
     )
     return summary
 
 
-def served_summary(run: RunSummary) -> dict[str, Any]:
-    """A served run's server, as its /metrics said (every figure the server's), beside kvtui's
-    prediction of its KV cache (kvtui.run.serving)."""
-    server = run.server
+def fleet_summary(run: RunSummary, engine: str) -> list[dict[str, Any]]:
+    """Every server of a served run (`vllm:URL1,URL2,...`: a fleet of replicas; one for
+    `vllm:URL`), each as `served_summary` gives one, with its `replica` (from 0, 0 the one the
+    decode streamed from) and `url`."""
+    urls = [str(url) for url in parse_engine(engine).urls]
+    return [
+        {"replica": i, "url": urls[i] if i < len(urls) else None} | served_summary(run, i)
+        for i in range(run.fleet.size)
+    ]
+
+
+def served_summary(run: RunSummary, replica: int = 0) -> dict[str, Any]:
+    """A served run's server (`replica` of a fleet; the decode's by default), as its /metrics
+    said (every figure the server's), beside kvtui's prediction of its KV cache
+    (kvtui.run.serving, kvtui.run.fleet)."""
+    server = run.fleet.replicas[replica]
     m = server.latest
-    check = server.capacity(run.started)
+    check = run.fleet.capacity(replica, run.started)
     capacity: dict[str, Any] | str = (
         check
         if isinstance(check, str)
@@ -238,9 +251,13 @@ def served_summary(run: RunSummary) -> dict[str, Any]:
         "failed_polls": server.failed,
         "error": server.error,
         "found": list(m.found) if m is not None else [],
+        "model": m.model if m is not None else "",
         "capacity": capacity,
         "kv_usage": m.kv_usage if m is not None else None,
         "kv_usage_peak": server.peak_usage,
+        "kv_used_tokens": m.kv_used_tokens if m is not None else None,
+        "kv_evictable_tokens": m.kv_evictable_tokens if m is not None else None,
+        "kv_free_tokens": m.kv_free_tokens if m is not None else None,
         "requests_running": m.requests_running if m is not None else None,
         "requests_waiting": m.requests_waiting if m is not None else None,
         "preemptions_seen": server.preemptions_seen,

@@ -87,6 +87,36 @@ def _served_lines(r: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _fleet_lines(r: dict[str, Any]) -> list[str]:
+    """A fleet's replicas past the first (whose figures are above), a line each."""
+    servers = r.get("servers") or []
+    if len(servers) < 2:
+        return []
+    lines = [
+        f"  a fleet of {len(servers)} replicas; the decode ran on replica 1, every one watched:"
+    ]
+    for s in servers[1:]:
+        where = f"  replica {s['replica'] + 1} ({s['url']}): "
+        c = s["capacity"]
+        if s["error"] and not s["polls"] - s["failed_polls"]:
+            lines.append(where + f"no figures ({s['error']})")
+            continue
+        kv = (
+            f"{format_int(c['tokens'])} tokens = {format_int(c['blocks'])} x {c['block_tokens']}"
+            if isinstance(c, dict)
+            else f"(no prediction: {c})"
+        )
+        if isinstance(c, dict) and c["predicted_blocks"] is not None:
+            verdict = {True: "agree", False: "DISAGREE", None: "blocks overridden"}[c["agree"]]
+            kv += f", kvtui {format_int(c['predicted_blocks'])}: {verdict}"
+        lines.append(
+            where + f"KV cache {kv}; usage peak {(s['kv_usage_peak'] or 0) * 100:.0f}%, "
+            f"preemptions while watched: {s['preemptions_seen']}"
+            + (f"; now: {s['error']}" if s["error"] else "")
+        )
+    return lines
+
+
 def _trick_lines(r: dict[str, Any]) -> list[str]:
     """The KV-cache layout's lines: its bytes per token measured against the formula, where the
     pool stops it, and what each loop's cache costs in quality."""
@@ -254,7 +284,9 @@ def format_table(r: dict[str, Any]) -> str:
             f"  speedup{over}: {format_ratio(r['speedup_wall'])} {r['timing']}, "
             f"{format_ratio(r['work_ratio'])} in positions computed"
         )
-    lines += _served_lines(r) if r["served_by"] else _kv_lines(r) + _trick_lines(r)
+    lines += (
+        _served_lines(r) + _fleet_lines(r) if r["served_by"] else _kv_lines(r) + _trick_lines(r)
+    )
     if r["achieved_bandwidth_bytes_per_s"]:
         peak = r["peak_bandwidth_bytes_per_s"]
         lines.append(

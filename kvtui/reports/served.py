@@ -59,24 +59,29 @@ def add_export_hf(subparsers: Any) -> None:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    """`kvtui load URL`: a bounded load on a server; a summary, or `--json`. Exit status 1 when
+    """`kvtui load URL [URL...]`: a bounded load on a server, or the same on each server of a
+    fleet at once; a summary, or `--json` (several: `{"servers": [...]}`). Exit status 1 when
     a request failed (the server refused it, or answered what is not a completion), 0 when each
     was done or cut at the time limit."""
-    from kvtui.engines.vllm.client import ServerURL
-    from kvtui.engines.vllm.load import LoadPlan, format_result, run_load
+    from kvtui.engines.vllm.fleet import parse_urls, run_loads
+    from kvtui.engines.vllm.load import LoadPlan, format_result
 
     try:
-        url = ServerURL.parse(args.url)
-        plan = LoadPlan(
-            url,
-            concurrency=args.concurrency,
-            prompt_tokens=args.prompt_tokens,
-            max_tokens=args.max_tokens,
-            requests=args.requests or args.concurrency,
-            seconds=args.seconds,
-            shared_prefix_tokens=args.shared_prefix,
-            seed=args.seed,
-        )
+        urls = parse_urls(",".join(args.url), "")
+        plans = [
+            LoadPlan(
+                url,
+                concurrency=args.concurrency,
+                prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens,
+                requests=args.requests or args.concurrency,
+                seconds=args.seconds,
+                shared_prefix_tokens=args.shared_prefix,
+                seed=args.seed,
+            )
+            for url in urls
+        ]
+        plan = plans[0]
         if plan.shared_prefix_tokens > plan.prompt_tokens:
             raise UsageError(
                 "kvtui load: error: argument --shared-prefix: at most --prompt-tokens "
@@ -84,10 +89,11 @@ def cmd_load(args: argparse.Namespace) -> int:
             )
         tty = sys.stderr.isatty()
 
-        def progress(result: Any, open_requests: int) -> None:
+        def progress(url: Any, result: Any, open_requests: int) -> None:
             if tty:
+                where = f"{url.netloc}: " if len(plans) > 1 else ""
                 print(
-                    f"\r{result.done + result.failed + result.cut:,}/{plan.requests:,} "
+                    f"\r{where}{result.done + result.failed + result.cut:,}/{plan.requests:,} "
                     f"requests done, {open_requests} open, {result.tokens:,} tokens, "
                     f"{result.seconds:.0f} s   ",
                     end="",
@@ -96,17 +102,18 @@ def cmd_load(args: argparse.Namespace) -> int:
                 )
 
         try:
-            result = run_load(plan, progress=progress)
+            results = run_loads(plans, progress=progress)
         finally:
             if tty:
                 print("\r", end="", file=sys.stderr)
     except EngineError as exc:
         raise UsageError(f"kvtui load: {exc}") from None
     if args.json:
-        print_json(result.to_json())
+        data = [result.to_json() for result in results]
+        print_json(data[0] if len(data) == 1 else {"servers": data})
     else:
-        print(safe_text(format_result(result)))
-    return 1 if result.failed else 0
+        print(safe_text("\n".join(format_result(result) for result in results)))
+    return 1 if any(result.failed for result in results) else 0
 
 
 def add_load(subparsers: Any) -> None:
@@ -127,7 +134,13 @@ def add_load(subparsers: Any) -> None:
         "KV cache, and past it requests wait and are preempted. Stops after --requests or "
         "--seconds, whichever comes first. Exit status 1 when a request failed.",
     )
-    p.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "url",
+        metavar="URL",
+        nargs="+",
+        help="the server, e.g. http://127.0.0.1:8000; several (a fleet's replicas, or URL1,URL2) "
+        "each get the same load at the same time",
+    )
     p.add_argument(
         "--concurrency",
         type=int_in(1, MAX_CONCURRENCY),

@@ -31,6 +31,7 @@ from kvtui.engines.protocol import (
 )
 from kvtui.errors import EngineError
 from kvtui.run.columns import Series
+from kvtui.run.fleet import FleetWatch
 from kvtui.run.serving import ServerWatch
 from kvtui.run.summary import LoopSummary, RunSummary
 from kvtui.sim.pool import KVPool
@@ -362,6 +363,13 @@ class LiveRun:
         kvtui's own engines."""
         started = self.started
         return self.summary.server if started is not None and started.served_by else None
+
+    @property
+    def fleet(self) -> FleetWatch | None:
+        """A served run's servers, every replica of a fleet (kvtui.run.fleet); None for kvtui's
+        own engines."""
+        started = self.started
+        return self.summary.fleet if started is not None and started.served_by else None
 
     @property
     def model(self) -> str:

@@ -39,6 +39,7 @@ from kvtui.engines.protocol import (
     StepSample,
 )
 from kvtui.run.columns import Column
+from kvtui.run.fleet import FleetWatch
 from kvtui.run.serving import ServerWatch
 from kvtui.sim.catalog import ModelSpec
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
@@ -297,8 +298,9 @@ class RunSummary:
     )
     failure: str = ""
     """A RunFailed's message (empty unless the run failed)."""
-    server: ServerWatch = field(default_factory=ServerWatch)
-    """A served run's (`vllm:`) server figures, as its polls reported them."""
+    fleet: FleetWatch = field(default_factory=FleetWatch)
+    """A served run's (`vllm:`) servers' figures, as their polls reported them, a watch per
+    replica of a fleet (kvtui.run.fleet)."""
     first_divergence: int | None = None
     """The first step at which the two loops chose different tokens; None while none has."""
     _kv_spec: ModelSpec | None = field(default=None, init=False, repr=False)
@@ -318,14 +320,19 @@ class RunSummary:
         elif isinstance(event, RunFailed):
             self.failure = event.message
         elif isinstance(event, ServerMetrics):
-            self.server.add(event)
+            self.fleet.add(event)
 
     def snapshot(self) -> RunSummary:
         """A copy that later events leave as it is (each loop's `snapshot`, the server's)."""
         copied = copy.copy(self)
         copied.loops = {name: loop.snapshot() for name, loop in self.loops.items()}
-        copied.server = self.server.snapshot()
+        copied.fleet = self.fleet.snapshot()
         return copied
+
+    @property
+    def server(self) -> ServerWatch:
+        """The server the decode streams from (the fleet's first replica)."""
+        return self.fleet.decode
 
     def _compare(self) -> None:
         """Compare the tokens of the steps both loops have newly made (each step once)."""

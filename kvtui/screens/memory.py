@@ -52,6 +52,7 @@ from kvtui.sim.parallel import shard
 from kvtui.sim.pool import step_budget
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, capacity_ticks, nice_ticks, sample_points
+from kvtui.widgets.fleet import FleetTable
 from kvtui.widgets.live_pool import NO_POOL_WORDS, live_pool_bar, live_words, pool_words
 from kvtui.widgets.plain import plain
 from kvtui.widgets.served import ServedCache
@@ -154,6 +155,7 @@ class MemoryScreen(LessonScreen):
 
     def compose_body(self) -> ComposeResult:
         yield ServedCache(id="served")  # a vllm: run's server, in place of the live pool
+        yield FleetTable(id="fleet")  # and every replica of a vllm:URL1,URL2,... fleet
         yield VramBar(id="live-bar")
         yield Static("", id="live-status")
         yield Static("", id="whatif-title")
@@ -535,6 +537,10 @@ class MemoryScreen(LessonScreen):
         self.set_class(server is not None, "-served")
         if server is not None:
             self.query_one("#served", ServedCache).show(server, started, self.run.settings.engine)
+        fleet = self.run.fleet
+        self.set_class(fleet is not None and fleet.size > 1, "-fleet")
+        if fleet is not None and fleet.size > 1:
+            self.query_one("#fleet", FleetTable).show(fleet, started, self.run.settings.engine)
         self._show_live_pool()
         self.query_one("#live-line", Static).update(live_words(self.run))
         self.query_one("#memory-chart", Chart).draw(self._draw_memory)

@@ -29,6 +29,7 @@ not answer, and pick up again if it comes back.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -74,6 +75,8 @@ MAX_PROMPT_TOKENS = 1_000_000
 MAX_MODEL_LEN = 2**32
 """The longest max_model_len taken from a server (past it, as a length not said): past any
 model's, and within what a record holds."""
+LAST_POLL_S = 2.0
+"""How long the last poll of each of a fleet's other replicas may take at the run's end."""
 PATH_MAX = 4096
 """The longest served path looked for on this machine (Linux's PATH_MAX)."""
 OPEN_DEADLINE_S = 15.0
@@ -171,17 +174,21 @@ def _error_of(exc: BaseException) -> str:
 
 
 class _Poller(threading.Thread):
-    """Reads /metrics every POLL_INTERVAL_S into a queue until stopped."""
+    """Reads one server's /metrics every POLL_INTERVAL_S into a queue until stopped, each poll
+    tagged with the server's place in the fleet (`replica`)."""
 
-    def __init__(self, server: Server, out: queue.Queue[object], opened: float) -> None:
-        super().__init__(name="kvtui-vllm-metrics", daemon=True)
-        self.server, self.out, self.opened = server, out, opened
+    def __init__(
+        self, server: Server, out: queue.Queue[object], opened: float, replica: int = 0
+    ) -> None:
+        super().__init__(name=f"kvtui-vllm-metrics-{replica}", daemon=True)
+        self.server, self.out, self.opened, self.replica = server, out, opened, replica
         self.stopped = threading.Event()
 
     def poll(self) -> ServerMetrics:
         try:
             text = self.server.text("/metrics", MAX_METRICS_BYTES)
-            return server_metrics(text, time.monotonic() - self.opened)
+            polled = server_metrics(text, time.monotonic() - self.opened)
+            return dataclasses.replace(polled, replica=self.replica)
         except ServerError as exc:
             error = str(exc)
             if "HTTP 404" in error:
@@ -193,7 +200,8 @@ class _Poller(threading.Thread):
             error = f"{self.server.url}/metrics is not Prometheus's text format ({exc})"
         except Exception as exc:  # the poll's failure is a poll's line, never the thread's end
             error = f"{self.server.url}/metrics cannot be read ({_error_of(exc)})"
-        return ServerMetrics(max(0.0, time.monotonic() - self.opened), error=error)
+        seconds = max(0.0, time.monotonic() - self.opened)
+        return ServerMetrics(seconds, error=error, replica=self.replica)
 
     def run(self) -> None:
         while not self.stopped.wait(POLL_INTERVAL_S):
@@ -222,17 +230,26 @@ class VLLMEngine:
     """The prompt as the server tokenized it (None: the server has no /tokenize; the text is
     sent and its length is not known before the answer)."""
     prompt_text: str
+    replicas: tuple[ServerURL, ...] = ()
+    """The fleet's other servers (`vllm:URL1,URL2,...`), watched only: the decode streams from
+    `served`'s, replica 0 (kvtui.engines.vllm.fleet)."""
     _events: queue.Queue[object] = field(default_factory=queue.Queue, init=False)
     _poller: _Poller | None = field(default=None, init=False)
+    _watchers: list[_Poller] = field(default_factory=list, init=False)
+    """The pollers of `replicas`, started with `_poller`."""
     _stream: Any = field(default=None, init=False)
     _stream_closed: bool = field(default=False, init=False)
     """Set by `_close_stream`: a stream that opens after it is closed at once."""
     _opened: float = field(default_factory=time.monotonic, init=False)
 
     @classmethod
-    def open(cls, settings: RunSettings, url: ServerURL) -> VLLMEngine:
-        """The engine for the server at `url`; `EngineError` (one line) when it does not answer
-        as a vLLM server, or the run does not fit its model."""
+    def open(
+        cls, settings: RunSettings, url: ServerURL, replicas: tuple[ServerURL, ...] = ()
+    ) -> VLLMEngine:
+        """The engine for the server at `url` (and the fleet's other `replicas`, watched only:
+        one that does not answer is said in its polls, never a reason not to start);
+        `EngineError` (one line) when `url` does not answer as a vLLM server, or the run does
+        not fit its model."""
         if settings.batch != 1:
             raise EngineError("vllm: streams one completion; kvtui load puts many on the server")
         until = time.monotonic() + OPEN_DEADLINE_S
@@ -256,7 +273,7 @@ class VLLMEngine:
                 f"{prompt:,} prompt + {settings.tokens:,} tokens is past the server's "
                 f"max_model_len of {limit:,}"
             )
-        return cls(settings, served, ids, text)
+        return cls(settings, served, ids, text, replicas)
 
     # --- the protocol ----------------------------------------------------------------------
 
@@ -317,6 +334,7 @@ class VLLMEngine:
                 elif isinstance(item, _Ended):
                     if self._poller is not None:  # the figures with this request finished
                         yield self._poller.poll()
+                    yield from self._last_polls()
                     if item.error:
                         yield RunFinished("cached", "error", step, item.error)
                     else:
@@ -324,6 +342,13 @@ class VLLMEngine:
                     return
         finally:
             self._close_stream()
+
+    def _last_polls(self) -> Iterator[ServerMetrics]:
+        """The fleet's other replicas' figures at the run's end, each within LAST_POLL_S (so
+        that a run shorter than a poll has them; a replica gone costs that much, once)."""
+        for replica, url in enumerate(self.replicas, 1):
+            server = Server(url, until=time.monotonic() + LAST_POLL_S)
+            yield _Poller(server, self._events, self._opened, replica).poll()
 
     def poll(self) -> ServerMetrics:
         """The server's figures now: one read of its /metrics, on this thread."""
@@ -343,8 +368,9 @@ class VLLMEngine:
 
     def close(self) -> None:
         self._close_stream()
-        if self._poller is not None:
-            self._poller.stopped.set()
+        for poller in [self._poller, *self._watchers]:
+            if poller is not None:
+                poller.stopped.set()
 
     # --- the threads -----------------------------------------------------------------------
 
@@ -352,6 +378,10 @@ class VLLMEngine:
         if self._poller is None:
             self._poller = _Poller(Server(self.served.url), self._events, self._opened)
             self._poller.start()
+            for replica, url in enumerate(self.replicas, 1):
+                watcher = _Poller(Server(url), self._events, self._opened, replica)
+                self._watchers.append(watcher)
+                watcher.start()
 
     def request(self) -> dict[str, Any]:
         """The completion request: greedy (temperature 0), or kvtui's sampling settings with

@@ -16,13 +16,22 @@ quantity, `NAMES` lists the names kvtui accepts, newest first, and the first pre
   `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds` (histograms);
 - older vLLM: `vllm:gpu_cache_usage_perc` (gone in 0.32), `vllm:gpu_prefix_cache_queries_total` /
   `_hits_total`, `vllm:time_per_output_token_seconds` (the inter-token histogram's older name);
-- SGLang, mapped the same way but untested here: `sglang:token_usage`, `sglang:num_running_reqs`,
-  `sglang:num_queue_reqs`, `sglang:max_total_num_tokens`, `sglang:cache_hit_rate`,
-  `sglang:time_to_first_token_seconds`, `sglang:inter_token_latency_seconds`.
+- SGLang (tested against texts of SGLang 0.5.23's own collectors, `tests/engines/data/`; a real
+  SGLang cannot run here: its wheel needs CUDA): `sglang:token_usage` (its running requests'
+  share, prefix-cached slots not counted, as vLLM's), `sglang:max_total_num_tokens`,
+  `sglang:num_pages` and `sglang:page_size` (its blocks), `sglang:kv_used_tokens`,
+  `sglang:kv_evictable_tokens`, `sglang:kv_available_tokens` (0.5.x: the pool in tokens, held,
+  cached, free), `sglang:num_running_reqs`, `sglang:num_queue_reqs`,
+  `sglang:num_retracted_requests_total` (its preemptions), `sglang:prompt_tokens_total` and
+  `sglang:cached_tokens_total` (prompt tokens, and those found cached, counted as requests
+  finish), `sglang:cache_hit_rate`, `sglang:time_to_first_token_seconds`,
+  `sglang:inter_token_latency_seconds`.
 
 Samples of one name are summed over their label sets (a data-parallel server reports one per
-engine); a usage fraction is averaged. A text larger than MAX_METRICS_BYTES or with more than
-MAX_SAMPLES samples is refused, so a hostile server costs bounded memory.
+engine), but a figure said again is read once (`_series`: SGLang's TP ranks each report the same
+pool; its per-priority series beside the total); a usage fraction is averaged. A text larger
+than MAX_METRICS_BYTES or with more than MAX_SAMPLES samples is refused, so a hostile server
+costs bounded memory.
 """
 
 from __future__ import annotations
@@ -193,12 +202,25 @@ NAMES: dict[str, tuple[str, ...]] = {
     "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"),
     "cache_config": ("vllm:cache_config_info",),
     "capacity_tokens": ("sglang:max_total_num_tokens",),
+    "pages": ("sglang:num_pages",),
+    "page_tokens": ("sglang:page_size",),
+    "used_tokens": ("sglang:kv_used_tokens",),
+    "evictable_tokens": ("sglang:kv_evictable_tokens",),
+    "free_tokens": ("sglang:kv_available_tokens",),
     "running": ("vllm:num_requests_running", "sglang:num_running_reqs"),
     "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs"),
     "waiting_by_reason": ("vllm:num_requests_waiting_by_reason",),
-    "preemptions": ("vllm:num_preemptions_total",),
-    "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
-    "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "preemptions": ("vllm:num_preemptions_total", "sglang:num_retracted_requests_total"),
+    "prefix_queries": (
+        "vllm:prefix_cache_queries_total",
+        "vllm:gpu_prefix_cache_queries_total",
+        "sglang:prompt_tokens_total",
+    ),
+    "prefix_hits": (
+        "vllm:prefix_cache_hits_total",
+        "vllm:gpu_prefix_cache_hits_total",
+        "sglang:cached_tokens_total",
+    ),
     "prefix_hit_rate": ("sglang:cache_hit_rate",),
     "ttft": ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds"),
     "itl": (
@@ -212,6 +234,32 @@ NAMES: dict[str, tuple[str, ...]] = {
 name: `_sum` and `_count` are read)."""
 
 _HISTOGRAMS = ("ttft", "itl")
+
+
+RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank", "pid")
+"""Labels under which one figure is said again, not a new one: SGLang's tensor, pipeline and expert
+parallel ranks each report their scheduler's same pool and queue (with
+--enable-metrics-for-all-schedulers), and prometheus_client's multiprocess mode adds a `pid`."""
+
+
+def _series(found: list[Sample]) -> list[Sample]:
+    """One sample per figure: a series SGLang breaks down by priority (its `priority` label set,
+    beside the total under `priority=""`) left out, and of the samples that differ only in
+    RANK_LABELS the largest kept (never their sum: a TP-2 server has one pool, said twice).
+    Samples that differ in other labels (vLLM's `engine` of a data-parallel server, SGLang's
+    `dp_rank`) stay apart, to be summed."""
+    kept: dict[tuple[tuple[str, str], ...], Sample] = {}
+    apart: list[Sample] = []  # no rank label: each its own figure, as ever
+    for sample in found:
+        if sample.labels.get("priority", ""):
+            continue
+        if not any(label in sample.labels for label in RANK_LABELS):
+            apart.append(sample)
+            continue
+        key = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in RANK_LABELS))
+        if key not in kept or sample.value > kept[key].value:
+            kept[key] = sample
+    return apart + list(kept.values())
 
 
 def _first(samples: dict[str, list[Sample]], quantity: str, suffix: str = "") -> str | None:
@@ -262,6 +310,23 @@ def _float_label(labels: dict[str, str], key: str) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+MAX_MODEL_CHARS = 200
+"""The longest model name taken from a `model_name` label."""
+
+
+def _model_name(samples: dict[str, list[Sample]], found: list[str]) -> str:
+    """The `model_name` label of the first quantity found (vLLM and SGLang put it on every
+    sample), at most MAX_MODEL_CHARS; "" where it is not said."""
+    for entry in found:
+        name = entry.partition("=")[2]
+        for suffix in ("", "_count"):
+            for sample in samples.get(name + suffix, ()):
+                model = sample.labels.get("model_name", "")
+                if model:
+                    return model[:MAX_MODEL_CHARS]
+    return ""
+
+
 def server_metrics(text: str, seconds: float) -> ServerMetrics:
     """One poll's figures, from a /metrics text read `seconds` after the run started: every
     quantity of NAMES found (None where none of its names is), and `found`, which name each was
@@ -276,7 +341,7 @@ def server_metrics(text: str, seconds: float) -> ServerMetrics:
         if name is None:
             return []
         found.append(f"{quantity}={name}")
-        return samples[name + suffix]
+        return _series(samples[name + suffix])
 
     usage = [s.value for s in read("kv_usage") if math.isfinite(s.value) and s.value >= 0]
     if usage:
@@ -301,6 +366,13 @@ def server_metrics(text: str, seconds: float) -> ServerMetrics:
         values["max_concurrency"] = _float_label(labels, "kv_cache_max_concurrency")
     if "kv_capacity_tokens" not in values:
         values["kv_capacity_tokens"] = _count(_total(read("capacity_tokens")))
+    pages, page_tokens = read("pages"), read("page_tokens")
+    if "kv_blocks" not in values and pages and page_tokens:  # SGLang: its pages are blocks
+        values["kv_blocks"] = _count(_total(pages))
+        values["kv_block_tokens"] = _count(_total(page_tokens[:1]), MAX_KV_BLOCK_TOKENS) or None
+    values["kv_used_tokens"] = _count(_total(read("used_tokens")))
+    values["kv_evictable_tokens"] = _count(_total(read("evictable_tokens")))
+    values["kv_free_tokens"] = _count(_total(read("free_tokens")))
     values["requests_running"] = _count(_total(read("running")))
     values["requests_waiting"] = _count(_total(read("waiting")))
     reasons: dict[str, int] = {}
@@ -320,8 +392,9 @@ def server_metrics(text: str, seconds: float) -> ServerMetrics:
         if name is None or name + "_sum" not in samples:
             continue
         found.append(f"{quantity}={name}")
-        values[f"{quantity}_seconds_sum"] = _total(samples[name + "_sum"])
-        values[f"{quantity}_count"] = _count(_total(samples[name + "_count"]))
+        values[f"{quantity}_seconds_sum"] = _total(_series(samples[name + "_sum"]))
+        values[f"{quantity}_count"] = _count(_total(_series(samples[name + "_count"])))
+    values["model"] = _model_name(samples, found)
     if not found:
         return ServerMetrics(
             seconds,
