@@ -3,8 +3,9 @@ UI: when vLLM preempted and how many, the usage and queue around each; the most 
 ran at once while others waited; and from these, why a load did or did not fill the cache.
 
 vLLM's /metrics counts preemptions (`vllm:num_preemptions_total`) but never says which request
-was preempted, nor exposes `--max-num-seqs`: what kvtui says of either is read from the polls,
-and says that it is.
+was preempted, and counts one when its request's next output comes back to the front end (the
+PREEMPTED event rides with it: vllm/v1/metrics/stats.py), so after the fact; nor does it expose
+`--max-num-seqs`: what kvtui says of either is read from the polls, and says that it is.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Pressure:
     bursts: deque[Preemptions] = field(default_factory=lambda: deque(maxlen=BURSTS))
     preempted: int = 0
     """Preemptions counted while watched, every burst's."""
+    first_burst: Preemptions | None = None
+    """The first rise of the counter while watched (`bursts` keeps the newest)."""
     busy_polls: int = 0
     """Polls that found a request running or waiting."""
     most_running: int = 0
@@ -70,7 +73,7 @@ class Pressure:
         if count > 0:
             self.preempted += count
             self.bursts.append(
-                Preemptions(
+                burst := Preemptions(
                     poll.seconds,
                     count,
                     last.kv_usage,
@@ -80,6 +83,7 @@ class Pressure:
                     poll.requests_running,
                 )
             )
+            self.first_burst = self.first_burst or burst
 
     def copy(self) -> Pressure:
         copied = copy.copy(self)
@@ -103,33 +107,40 @@ class Pressure:
             return ""
         n = self.most_running_waiting
         line = (
-            f"vLLM ran at most {n:,} requests at once while others waited, its cache at most "
-            f"{self.most_usage_queued:.0%} full: a limit on sequences at once held them "
-            "(--max-num-seqs, which /metrics does not expose: inferred)"
+            f"at most {n:,} running while others waited, the cache at most "
+            f"{self.most_usage_queued:.0%} full: a limit on sequences at once (max-num-seqs, "
+            "inferred: not in /metrics)"
         )
         if capacity_tokens and max_model_len:
             most = n * max_model_len
             if most < capacity_tokens:
                 line += (
-                    f"; {n:,} x max_model_len {max_model_len:,} = {most:,} tokens < its "
-                    f"{capacity_tokens:,}: this server's cache cannot fill"
+                    f"; {n:,} x max_model_len {max_model_len:,} = {most:,} tokens < "
+                    f"{capacity_tokens:,}: this cache cannot fill"
                 )
         return line
 
     def burst_words(self, newest: int = 3) -> str:
-        """The newest bursts of preemptions, when and around what, in words."""
+        """When vLLM's preemption counter rose while watched, and the cache and queue around
+        the first rises and the newest, in words."""
         if not self.bursts:
             return ""
-        parts = []
-        for b in list(self.bursts)[-newest:]:
+
+        def said(b: Preemptions) -> str:
             usage = f"{b.usage:.0%}" if b.usage is not None else "?"
             before = f"{b.usage_before:.0%} -> " if b.usage_before is not None else ""
             waiting = f", {b.waiting:,} waiting" if b.waiting is not None else ""
-            parts.append(f"{b.count:,} at {b.seconds:.1f} s (cache {before}{usage}{waiting})")
+            return f"{b.count:,} at {b.seconds:.1f} s (cache {before}{usage}{waiting})"
+
+        bursts = list(self.bursts)[-newest:]
+        shown = [said(b) for b in bursts]
+        if self.first_burst is not None and self.first_burst is not bursts[0]:
+            shown = [said(self.first_burst), "...", *shown]
         return (
-            f"preempted {self.preempted:,} while watched: "
-            + "; ".join(parts)
-            + ". vLLM does not say which requests."
+            f"preempted {self.preempted:,} while watched, as vLLM's counter rose: "
+            + "; ".join(shown)
+            + ". vLLM does not say which requests, and counts each with the request's next "
+            "output, after the fact."
         )
 
 

@@ -51,8 +51,8 @@ class Fit:
         return ELEMENT_NAMES[self.element_bytes]
 
     def words(self) -> str:
-        where = f", split over {self.shards} GPUs" if self.shards > 1 else ""
-        return f"{ELEMENT_WORDS[self.element_bytes]} ({self.element_bytes} B an element{where})"
+        where = f" over {self.shards} GPUs" if self.shards > 1 else ""
+        return f"{ELEMENT_WORDS[self.element_bytes]} ({self.element_bytes} B){where}"
 
 
 @dataclass(frozen=True)

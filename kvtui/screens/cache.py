@@ -176,6 +176,8 @@ class CacheScreen(WorkScreen):
         elif n:
             words = f"identical: {n:,} tokens" if both_done else f"identical so far: {n:,} tokens"
             mark.show(f"[$text-success]✓[/] {words}")  # the mark green, the words text
+        elif self.run.server is not None:  # a server has no loop without a cache to compare
+            mark.show("one stream: a server caches")
         else:
             mark.show("… comparing the two streams")
 

@@ -21,6 +21,7 @@ from kvtui.format import (
     format_seconds,
     safe_text,
 )
+from kvtui.run.served_layout import ELEMENT_WORDS
 from kvtui.run.serving import CapacityCheck, ServerWatch
 from kvtui.widgets.plain import plain
 
@@ -88,7 +89,7 @@ def engines_words(engines: int | None, check: CapacityCheck | str) -> str:
         return f" over {engines} data-parallel engines"
     memory = check.memory_bytes if isinstance(check, CapacityCheck) else None
     of = f", {format_bytes(memory)}" if memory is not None else ""
-    return f" ({engines} data-parallel engines of {format_int(each)} blocks{of} each)"
+    return f" ({engines} DP engines x {format_int(each)}{of} each)"
 
 
 def served_dtype_words(check: CapacityCheck) -> str:
@@ -99,13 +100,15 @@ def served_dtype_words(check: CapacityCheck) -> str:
         return ""
     fit, others = layout.fit, layout.fits[1:]
     per_token = layout.served_bytes_per_token
-    measured = f"{float(per_token):,.0f} B a token" if per_token is not None else "its blocks"
-    line = f"served in {fit.words()}: the server's KV memory over its blocks is {measured}"
+    line = f"served in {fit.words()}"
     if fit.element_bytes != layout.config_element_bytes:
-        line += f", not config.json's {format_int(int(layout.config_element_bytes))} B an element"
+        config = ELEMENT_WORDS.get(int(layout.config_element_bytes), "")
+        line += f", not config.json's {config or format_int(int(layout.config_element_bytes))}"
+    if per_token is not None:
+        line += f": {float(per_token):,.0f} B a token = its memory over its blocks"
     if others:
-        line += "; or " + ", or ".join(o.words() for o in others)
-        line += " (vLLM does not report its tensor or pipeline parallel size)"
+        line += " (or " + ", or ".join(o.words() for o in others)
+        line += ": vLLM does not say its tensor/pipeline parallel size)"
     return line
 
 
@@ -278,7 +281,7 @@ class ServedCache(Widget):
             )
         queries, hits = server.prefix_queries_seen, server.prefix_hits_seen
         if m.prefix_caching is False:
-            prefix = "prefix caching off (the server's cache_config_info)"
+            prefix = "prefix caching off"
         elif queries == 0:
             prefix = "prefix cache: no prompt looked up while watched"
         elif queries is not None and hits is not None:
@@ -294,9 +297,8 @@ class ServedCache(Widget):
         limit = started.max_positions if started is not None else None
         pressure = server.pressure
         if limit:
-            prefix += f" · max_model_len {format_int(limit)} (/v1/models)"
-        most = f", at most {pressure.most_running:,} seen running" if pressure.most_running else ""
-        prefix += f" · max-num-seqs not in /metrics{most}"
+            prefix += f" · max_model_len {format_int(limit)}"
+        prefix += " · max-num-seqs not exposed"
         lines = [line, Text(prefix)]
         for words in (
             pressure.burst_words(),

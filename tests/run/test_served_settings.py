@@ -82,11 +82,11 @@ def test_a_served_dtype_other_than_config_jsons_is_read_from_the_blocks_and_said
     assert (check.kv_dtype, check.kv_bytes_per_token) == ("bf16", 1536)
     assert "config.json says fp32" in check.dtype_source
     words = served_dtype_words(check)
-    assert "served in bf16 or fp16 (2 B an element)" in words
-    assert "1,562 B a token" in words and "config.json's 4 B an element" in words
+    assert "served in bf16 or fp16 (2 B), not config.json's fp32" in words
+    assert "1,562 B a token = its memory over its blocks" in words
     # and fp32 split over two GPUs gives the same blocks: said, not hidden
-    assert "or fp32 (4 B an element, split over 2 GPUs)" in words
-    assert "does not report its tensor or pipeline parallel size" in words
+    assert "(or fp32 (4 B) over 2 GPUs" in words
+    assert "vLLM does not say its tensor/pipeline parallel size" in words
 
 
 def test_the_check_still_fails_where_no_element_size_gives_the_blocks():
@@ -122,7 +122,7 @@ def test_tensor_parallel_is_read_per_gpu_from_a_captured_text_changed():
     check = check_of(fp8)  # an fp8 cache it was told: only 1 B an element is tried
     assert check.agree is True
     assert [(f.element_bytes, f.shards) for f in check.layout.fits] == [(1, 2)]
-    assert "fp8 (1 B an element, split over 2 GPUs)" in served_dtype_words(check)
+    assert "served in fp8 (1 B) over 2 GPUs" in served_dtype_words(check)
 
 
 def test_pipeline_parallel_splits_the_layers():
@@ -186,9 +186,14 @@ def test_preemptions_are_placed_in_time_with_the_usage_and_queue_around_them():
     assert "3 at 1.0 s (cache 90% -> 100%, 6 waiting)" in words
     assert "2 at 2.0 s (cache 100% -> 97%, 3 waiting)" in words
     assert "vLLM does not say which requests" in words
+    for n, seconds in enumerate((3.0, 3.5, 4.0), start=16):
+        watch.add(poll(seconds, 1.0, 12, 2, n))
+    words = watch.pressure.burst_words()
+    assert words.startswith("preempted 8 while watched, as vLLM's counter rose: 3 at 1.0 s")
+    assert "; ...; 1 at 3.0 s" in words  # the first rise, then the newest three
     snapshot = watch.snapshot()
-    watch.add(poll(2.5, 1.0, 12, 3, 20))
-    assert snapshot.pressure.preempted == 5 and watch.pressure.preempted == 10
+    watch.add(poll(4.5, 1.0, 12, 3, 20))
+    assert snapshot.pressure.preempted == 8 and watch.pressure.preempted == 8 + 2
 
 
 def test_a_queue_beside_a_half_empty_cache_is_explained_as_a_limit_on_sequences():
@@ -197,11 +202,9 @@ def test_a_queue_beside_a_half_empty_cache_is_explained_as_a_limit_on_sequences(
     watch = ServerWatch()
     watch.add(server_metrics(DP2, 0.0))
     words = watch.pressure.limit_words(3840, 256)
-    assert "at most 8 requests at once while others waited" in words
-    assert "--max-num-seqs, which /metrics does not expose: inferred" in words
-    assert "8 x max_model_len 256 = 2,048 tokens < its 3,840: this server's cache cannot fill" in (
-        words
-    )
+    assert "at most 8 running while others waited, the cache at most 41% full" in words
+    assert "(max-num-seqs, inferred: not in /metrics)" in words
+    assert "8 x max_model_len 256 = 2,048 tokens < 3,840: this cache cannot fill" in words
     lines = fill_words(watch.peak_usage, watch.pressure, 3840, 256)
     assert lines[0].startswith("vLLM's cache: peak 41% (not full), 0 preemptions")
 

@@ -57,7 +57,7 @@ def test_second_agrees_per_engine_in_the_dtype_it_serves(vllm_server_b):
     assert (m.engines, check.blocks, check.blocks_per_engine) == (ENGINES, ENGINES * each, each)
     assert check.predicted_blocks == check.blocks and check.agree is True
     assert (check.kv_dtype, check.kv_bytes_per_token) == ("bf16", BF16_BYTES_PER_TOKEN)
-    assert "served in bf16 or fp16 (2 B an element)" in served_dtype_words(check)
+    assert "served in bf16 or fp16 (2 B)" in served_dtype_words(check)
     assert m.prefix_caching is False and m.kv_capacity_tokens == ENGINES * each * 64
 
 
@@ -73,9 +73,9 @@ def test_a_fill_alone_on_second_says_why_its_cache_cannot_fill(vllm_server_b, ca
     out = capsys.readouterr().out
     assert " 0 failed" in out, out
     running = ENGINES * SECOND_MAX_NUM_SEQS
-    assert f"at most {running} requests at once while others waited" in out, out
+    assert f"at most {running} running while others waited" in out, out
     most = running * SECOND_MAX_MODEL_LEN
-    assert f"= {most:,} tokens < its 3,840: this server's cache cannot fill" in out, out
+    assert f"= {most:,} tokens < 3,840: this cache cannot fill" in out, out
 
 
 def test_a_fill_alone_on_first_fills_it_and_vllm_preempts(vllm_server, capsys):
