@@ -5,6 +5,7 @@ a fill at --max-num-seqs 4 failed "no answer in time"). No vLLM needed."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -72,3 +73,63 @@ def test_a_load_alone_is_sized_from_the_server_and_says_whether_it_filled(capsys
     assert "64 requests to" in out and "16 at a time, 64 prompt + 192 tokens each" in out
     assert "64 done, 0 cut short, 0 failed" in out
     assert "vLLM's cache: peak" in out  # the stand-in's text says 100% and 9 waiting
+
+
+def words(screen: str) -> str:
+    """A screen's words in one line: its wrapped lines joined, the panels' borders dropped."""
+    return " ".join(screen.replace("│", " ").split())
+
+
+TINY_AUSTEN = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+"""The exported tiny-austen's config.json (kvtui export-hf): fp32."""
+
+
+async def test_screens_2_and_3_under_seconds_settings(tmp_path):
+    """The stand-in answers SECOND's /metrics, captured mid-fill (bf16 served, 2 engines, 8
+    running, 22 waiting "for capacity" beside a cache 41% full, no prefix caching) and its
+    max_model_len of 256: screen 3 says the blocks per engine in the dtype they were served in,
+    prefix caching off, and why the queue is not the cache's; screen 2's cards are filled or say
+    why not, and its latency names this request and the server's clients apart."""
+    from pathlib import Path
+
+    from kvtui.app import make_app
+    from kvtui.engines.protocol import RunSettings
+    from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_AUSTEN))
+    models = {"object": "list", "data": [{"id": "m", "root": str(tmp_path), "max_model_len": 256}]}
+    data = Path(__file__).parents[1] / "engines" / "data" / "vllm-0.32-dp2-bf16-busy.txt"
+    server = FakeVLLM(models=models, metrics=data.read_text()).start()
+    settings = RunSettings(engine=f"vllm:{server.url}", tokens=16, greedy=True, loops=("cached",))
+    app = make_app(settings, 3, probe=NO_GPU_PROBE)
+    try:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await wait_for(pilot, lambda: "cannot fill" in screen_text(app), timeout=30)
+            text = words(screen_text(app))
+            assert "60 blocks of 64 tokens (2 DP engines x 30, 2.9 MiB each)" in text
+            assert "30 blocks x 2 engines: agree" in text and "DISAGREE" not in text
+            assert "served in bf16 or fp16 (2 B), not config.json's fp32" in text
+            assert "22 waiting (for scheduling capacity: 22)" in text
+            assert "prefix caching off · max_model_len 256 · max-num-seqs not exposed" in text
+            assert "8 x max_model_len 256 = 2,048 tokens < 3,840: this cache cannot fill" in text
+            await wait_for(pilot, lambda: app.live_run.state == "done", timeout=30)
+            await pilot.press("2")
+            await wait_for(pilot, lambda: "THIS REQUEST" in screen_text(app), timeout=10)
+            text = words(screen_text(app))
+            assert "This request, measured here" in text
+            assert "The server, all clients (not comparable to one request)" in text
+            assert "16" in text and "server caches" in text and "not over HTTP" in text
+    finally:
+        server.close()
