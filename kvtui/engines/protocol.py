@@ -399,7 +399,7 @@ class ServerMetrics:
     kv_usage: float | None = None
     """The share of the server's KV-cache blocks in use, 0 to 1."""
     kv_blocks: int | None = None
-    """Blocks of the server's KV cache (vLLM's num_gpu_blocks)."""
+    """Blocks of the server's KV cache (vLLM's num_gpu_blocks: all its engines')."""
     kv_block_tokens: int | None = None
     kv_capacity_tokens: int | None = None
     """Token slots of the KV cache (vLLM's kv_cache_size_tokens)."""
@@ -410,7 +410,12 @@ class ServerMetrics:
     kv_blocks_override: int | None = None
     """vLLM's --num-gpu-blocks-override, when set: the blocks are then not what memory holds."""
     max_concurrency: float | None = None
-    """vLLM's "maximum concurrency" of max_model_len-token requests."""
+    """vLLM's "maximum concurrency" of max_model_len-token requests (each engine's)."""
+    engines: int | None = None
+    """Data-parallel engines that reported their cache (vLLM's `engine` label): `kv_blocks` is
+    all of theirs, `kv_cache_memory_bytes` each one's."""
+    prefix_caching: bool | None = None
+    """Whether the server caches prefixes (vLLM's enable_prefix_caching); None: not said."""
     kv_used_tokens: int | None = None
     """Token slots running requests hold (SGLang's kv_used_tokens; vLLM says only a share)."""
     kv_evictable_tokens: int | None = None

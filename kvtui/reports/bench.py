@@ -22,6 +22,7 @@ replayable record; an existing FILE is replaced only with `force`, and never a l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -184,7 +185,9 @@ def summarize(c: _Collected, settings: RunSettings) -> dict[str, Any]:
                 **dict.fromkeys(kv),
                 **_ending(c, "uncached"),
             },
-            "kv_layout": {**layout.to_json(), "words": layout.words()},
+            "kv_layout": served_layout(run)
+            if started.served_by
+            else {**layout.to_json(), "words": layout.words()},
             "kv_heads_model": started.kv_heads_model,
             "speedup_wall": run.wall_speedup(),
             "last_quartile_ratio": run.last_quartile_ratio,
@@ -244,6 +247,11 @@ def served_summary(run: RunSummary, replica: int = 0) -> dict[str, Any]:
             "predicted_tokens": check.predicted_tokens,
             "override": check.override,
             "agree": check.agree,
+            "reason": check.reason,
+            "engines": check.engines,
+            "blocks_per_engine": check.blocks_per_engine,
+            "dtype_source": check.dtype_source,
+            "config_dtype": run.started.dtype if run.started is not None else None,
         }
     )
     return {
@@ -254,18 +262,49 @@ def served_summary(run: RunSummary, replica: int = 0) -> dict[str, Any]:
         "model": m.model if m is not None else "",
         "capacity": capacity,
         "kv_usage": m.kv_usage if m is not None else None,
-        "kv_usage_peak": server.peak_usage,
+        "kv_usage_peak": server.peak_usage
+        if server.pressure.peak_seen or server.peak_usage
+        else None,  # no poll caught the server busy: no peak, rather than 0%
         "kv_used_tokens": m.kv_used_tokens if m is not None else None,
         "kv_evictable_tokens": m.kv_evictable_tokens if m is not None else None,
         "kv_free_tokens": m.kv_free_tokens if m is not None else None,
         "requests_running": m.requests_running if m is not None else None,
         "requests_waiting": m.requests_waiting if m is not None else None,
         "preemptions_seen": server.preemptions_seen,
+        "preemptions": [dataclasses.asdict(b) for b in server.pressure.bursts],
+        "most_running_seen": server.pressure.most_running,
+        "kv_usage_peak_seen": server.pressure.peak_seen,
+        "max_model_len": run.started.max_positions if run.started is not None else None,
+        "max_num_seqs": None,
+        "prefix_caching": m.prefix_caching if m is not None else None,
         "prefix_queries_seen_tokens": server.prefix_queries_seen,
         "prefix_hits_seen_tokens": server.prefix_hits_seen,
         "ttft_mean_s": server.ttft_mean_s,
         "ttft_requests": server.ttft_requests,
         "itl_mean_s": server.itl_mean_s,
+    }
+
+
+def served_layout(run: RunSummary) -> dict[str, Any]:
+    """A served run's KV layout as the server serves it (its cache_config_info), never kvtui's
+    own defaults: the cache dtype it was told ("auto": the model's), the dtype its blocks say
+    it keeps, its block size and whether it caches prefixes."""
+    m, check = run.server.latest, run.server.capacity(run.started)
+    told = m.kv_cache_dtype if m is not None and m.kv_cache_dtype else None
+    caching = m.prefix_caching if m is not None else None
+    blocks = m.kv_block_tokens if m is not None else None
+    return {
+        "kv_cache_dtype": told,
+        "kv_cache_dtype_served": None if isinstance(check, str) else check.kv_dtype,
+        "kv_block_tokens": blocks,
+        "kv_window": None,
+        "kv_sinks": 0,
+        "enable_prefix_caching": caching,
+        "kv_heads": None,
+        "source": "the server's /metrics (vllm:cache_config_info)",
+        "words": f"served: {told or 'cache dtype not said'} cache"
+        + ("" if isinstance(check, str) else f" ({check.kv_dtype})")
+        + {True: ", prefix caching", False: ", no prefix caching", None: ""}[caching],
     }
 
 

@@ -71,15 +71,29 @@ def _served_lines(r: dict[str, Any]) -> list[str]:
                 else ""
             )
         )
-    if server["kv_usage_peak"] is not None:
-        lines.append(
-            f"  usage peak {server['kv_usage_peak'] * 100:.0f}%, preemptions while watched: "
-            f"{server['preemptions_seen']}"
+        if c.get("engines", 1) > 1:
+            lines.append(
+                f"  {c['engines']} data-parallel engines of {c['blocks_per_engine']} blocks and "
+                f"{format_bytes(c['memory_bytes'])} each (vLLM's blocks are their total)"
+            )
+        if c.get("config_dtype") and c["kv_dtype"] != c["config_dtype"]:
+            lines.append(f"  served in {c['kv_dtype']}: {c['dtype_source']}")
+        if c.get("reason"):
+            lines.append(f"  why: {c['reason']}")
+    peak = server["kv_usage_peak"]
+    lines.append(
+        (
+            f"  usage peak {peak * 100:.0f}%"
+            if peak is not None
+            else "  usage peak not seen (no poll caught the request: shorter than a poll)"
         )
+        + f", preemptions while watched: {server['preemptions_seen']}"
+    )
     ttft, itl = server["ttft_mean_s"], server["itl_mean_s"]
     if ttft is not None or itl is not None:
         lines.append(
-            f"  vLLM's histograms over {server['ttft_requests']} request(s): first token "
+            f"  the server, all clients: vLLM's histograms over {server['ttft_requests']} "
+            "request(s): first token "
             + ("-" if ttft is None else f"{ttft * 1e3:.2f} ms")
             + ", between tokens "
             + ("-" if itl is None else f"{itl * 1e3:.2f} ms")

@@ -66,8 +66,16 @@ def cmd_load(args: argparse.Namespace) -> int:
     from kvtui.engines.vllm.fleet import parse_urls, run_loads
     from kvtui.engines.vllm.load import LoadPlan, format_result
 
+    sized = (args.concurrency, args.prompt_tokens, args.max_tokens)
+    if any(v is None for v in sized) and any(v is not None for v in sized):
+        raise UsageError(
+            "kvtui load: error: give all of --concurrency, --prompt-tokens and --max-tokens, or "
+            "none (a fill sized from the server's own limits)"
+        )
     try:
         urls = parse_urls(",".join(args.url), "")
+        if args.concurrency is None:
+            return fill_from_servers(urls, args)
         plans = [
             LoadPlan(
                 url,
@@ -116,6 +124,61 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 1 if any(result.failed for result in results) else 0
 
 
+def fill_from_servers(urls: Any, args: argparse.Namespace) -> int:
+    """`kvtui load URL [URL...]` alone: on each server at once, a fill sized from that server's
+    limits (kvtui.engines.vllm.fill), its /metrics polled about once a second while it runs, and
+    whether it filled the cache and made vLLM preempt, or why not (kvtui.run.pressure)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvtui.engines.vllm.load import format_result
+
+    with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="kvtui-fill") as pool:
+        fills = list(pool.map(lambda url: fill_from_server(url, args), urls))
+    if args.json:
+        data = [
+            {**result.to_json(), "sized_from_server": True, "server": verdict}
+            for result, verdict in fills
+        ]
+        print_json(data[0] if len(data) == 1 else {"servers": data})
+    else:
+        print(
+            safe_text(
+                "\n".join(
+                    format_result(result) + "\n" + "\n".join(verdict) for result, verdict in fills
+                )
+            )
+        )
+    return 1 if any(result.failed for result, _ in fills) else 0
+
+
+def fill_from_server(url: Any, args: argparse.Namespace) -> tuple[Any, list[str]]:
+    """One server's fill sized from its limits: its result, and the words of how it ended."""
+    import dataclasses
+    import time
+
+    from kvtui.engines.vllm.fill import plan_from_server, poll_metrics
+    from kvtui.engines.vllm.load import run_load
+    from kvtui.run.pressure import fill_words
+    from kvtui.run.serving import ServerWatch
+
+    start = time.monotonic()
+    plan, max_model_len = plan_from_server(url, until=start + args.seconds)
+    plan = dataclasses.replace(
+        plan, seconds=args.seconds, seed=args.seed, requests=args.requests or plan.requests
+    )
+    watch = ServerWatch()
+    watch.add(poll_metrics(url, 0.0))
+
+    def progress(result: Any, open_requests: int) -> None:
+        watch.add(poll_metrics(url, time.monotonic() - start, until=time.monotonic() + 2.0))
+
+    result = run_load(plan, progress=progress)
+    watch.add(poll_metrics(url, time.monotonic() - start))
+    latest = watch.latest
+    capacity = latest.kv_capacity_tokens if latest is not None else None
+    return result, list(fill_words(watch.peak_usage, watch.pressure, capacity, max_model_len))
+
+
 def add_load(subparsers: Any) -> None:
     from kvtui.engines.vllm.load import (
         DEFAULT_SECONDS,
@@ -144,21 +207,22 @@ def add_load(subparsers: Any) -> None:
     p.add_argument(
         "--concurrency",
         type=int_in(1, MAX_CONCURRENCY),
-        required=True,
+        default=None,
         metavar="N",
-        help=f"requests at a time (at most {MAX_CONCURRENCY})",
+        help=f"requests at a time (at most {MAX_CONCURRENCY}); without it, --prompt-tokens and "
+        "--max-tokens, a fill sized from the server's capacity and max_model_len",
     )
     p.add_argument(
         "--prompt-tokens",
         type=int_in(1, MAX_PROMPT_TOKENS),
-        required=True,
+        default=None,
         metavar="P",
         help=f"prompt tokens of each request (at most {MAX_PROMPT_TOKENS:,})",
     )
     p.add_argument(
         "--max-tokens",
         type=int_in(1, MAX_NEW_TOKENS),
-        required=True,
+        default=None,
         metavar="T",
         help=f"tokens each request generates, end-of-sequence ignored (at most "
         f"{MAX_NEW_TOKENS:,}); P + T at most the server's max_model_len",

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from kvtui.engines.protocol import RunStarted, ServerMetrics
+from kvtui.run.pressure import Pressure
+from kvtui.run.served_layout import ServedLayout, read_layout
 from kvtui.sim.catalog import UnknownNameError, dtype_bytes, normalize_dtype
 from kvtui.sim.pool import KVPool
 
@@ -52,15 +54,23 @@ class CapacityCheck:
     override: int | None
     """--num-gpu-blocks-override, when the server was given one."""
     predicted: KVPool | None
-    """kvtui's pool of `memory_bytes` in the server's blocks; None without a memory figure."""
+    """kvtui's pool of `memory_bytes` in the server's blocks (one engine's, one GPU's); None
+    without a memory figure."""
+    layout: ServedLayout | None = None
+    """The blocks read with the server's settings: its engines, the dtype that gives them
+    (kvtui.run.served_layout)."""
+
+    @property
+    def engines(self) -> int:
+        return self.layout.engines if self.layout is not None else 1
 
     @property
     def predicted_blocks(self) -> int | None:
-        return self.predicted.blocks if self.predicted is not None else None
+        return self.predicted.blocks * self.engines if self.predicted is not None else None
 
     @property
     def predicted_tokens(self) -> int | None:
-        return self.predicted.tokens if self.predicted is not None else None
+        return self.predicted.tokens * self.engines if self.predicted is not None else None
 
     @property
     def agree(self) -> bool | None:
@@ -68,12 +78,24 @@ class CapacityCheck:
         or the server was told its blocks)."""
         if self.predicted is None or self.override is not None:
             return None
-        return self.predicted.blocks == self.blocks
+        return self.predicted_blocks == self.blocks
+
+    @property
+    def reason(self) -> str:
+        """Why the arithmetic disagrees, in words (empty where it agrees)."""
+        if self.agree is not False:
+            return ""
+        return self.layout.reason() if self.layout is not None else ""
+
+    @property
+    def blocks_per_engine(self) -> int | None:
+        return self.layout.blocks_per_engine if self.layout is not None else self.blocks
 
     @property
     def implied_bytes(self) -> int:
-        """The memory the server's blocks take at kvtui's bytes per token."""
-        return self.blocks * self.block_tokens * self.kv_bytes_per_token
+        """The memory one engine's blocks take at kvtui's bytes per token."""
+        blocks = self.blocks_per_engine or self.blocks
+        return blocks * self.block_tokens * self.kv_bytes_per_token
 
     @property
     def ratio(self) -> float | None:
@@ -101,6 +123,8 @@ class ServerWatch:
     peak_usage: float = 0.0
     usage: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=USAGE_POINTS))
     """(seconds, KV-cache usage) of the newest polls."""
+    pressure: Pressure = field(default_factory=Pressure)
+    """Its preemptions and limits (kvtui.run.pressure)."""
 
     def add(self, poll: ServerMetrics) -> None:
         self.polls += 1
@@ -114,6 +138,7 @@ class ServerWatch:
         if self.first is None:
             self.first = poll
         self.latest = poll
+        self.pressure.add(poll)
         if poll.kv_usage is not None:
             self.peak_usage = max(self.peak_usage, poll.kv_usage)
             self.usage.append((poll.seconds, poll.kv_usage))
@@ -122,6 +147,7 @@ class ServerWatch:
         """A copy that later polls leave as it is (the polls themselves are frozen)."""
         copied = copy.copy(self)
         copied.usage = deque(self.usage, maxlen=self.usage.maxlen)
+        copied.pressure = self.pressure.copy()
         return copied
 
     @property
@@ -201,6 +227,20 @@ class ServerWatch:
             source = "the server's cache_dtype"
         elif cache == "auto":
             source = "cache_dtype auto: the model's dtype in config.json"
+        layout = read_layout(
+            blocks_total=m.kv_blocks,
+            block_tokens=m.kv_block_tokens,
+            engines=m.engines,
+            memory_bytes=m.kv_cache_memory_bytes,
+            elements_per_token=started.kv_bytes_per_token / Fraction(dtype_bytes(started.dtype)),
+            element_bytes=Fraction(dtype_bytes(dtype)),
+            cache_dtype_told=bool(cache and cache != "auto"),
+            layers=started.layers,
+            kv_heads=started.kv_heads,
+        )
+        if layout.differs and layout.fit is not None:  # the blocks say another dtype or split
+            per_token, dtype = layout.fit.bytes_per_token, layout.fit.dtype
+            source = f"the server's blocks: {layout.fit.words()} (config.json says {started.dtype})"
         predicted = None
         if m.kv_cache_memory_bytes is not None:
             predicted = KVPool(m.kv_cache_memory_bytes, m.kv_block_tokens, per_token)
@@ -215,4 +255,5 @@ class ServerWatch:
             memory_bytes=m.kv_cache_memory_bytes,
             override=m.kv_blocks_override,
             predicted=predicted,
+            layout=layout,
         )

@@ -100,6 +100,9 @@ class CacheScreen(WorkScreen):
         speedup, timed = self.query_one("#speedup", StatCard), self.query_one("#measured", StatCard)
         timed.border_title = live.how.upper() or "TIME"
         span = f"steps 1-{n:,}" if n else "same steps"
+        if live.server is not None:  # a served run: what a server's run gives, or why not
+            self._served_cards(without, with_card, speedup, timed)
+            return
         uncached, cached = live.work_over(n)
         without.value = format_int(uncached) if n else "…"
         without.note = span
@@ -121,6 +124,23 @@ class CacheScreen(WorkScreen):
             "replayed": "wall time",
             "modelled": "roofline",
         }.get(live.how, "…")
+
+    def _served_cards(
+        self, without: StatCard, with_card: StatCard, speedup: StatCard, timed: StatCard
+    ) -> None:
+        """A vllm: run's cards: the server keeps its cache (no loop without one to count or
+        time) and computes positions kvtui cannot see over HTTP; what this request streamed and
+        how fast, on kvtui's clock."""
+        cached = self.run.summary.loop("cached")
+        without.value, without.note = "—", ("a server keeps its cache", "server caches")
+        streamed = self.run.loop("cached").steps
+        with_card.value = format_int(streamed) if streamed else "…"
+        with_card.note = ("tokens, this request", "tokens")
+        speedup.value, speedup.note = "—", ("positions: not over HTTP", "not over HTTP")
+        speedup.set_class(False, "-good")
+        timed.border_title = "THIS REQUEST"
+        timed.value = format_seconds(cached.tpot_s) if cached.tpot_s is not None else "…"
+        timed.note = ("a token, kvtui's clock", "a token")
 
     def redraw(self) -> None:
         uncached, cached = self.run.loop("uncached"), self.run.loop("cached")
@@ -156,6 +176,8 @@ class CacheScreen(WorkScreen):
         elif n:
             words = f"identical: {n:,} tokens" if both_done else f"identical so far: {n:,} tokens"
             mark.show(f"[$text-success]✓[/] {words}")  # the mark green, the words text
+        elif self.run.server is not None:  # a server has no loop without a cache to compare
+            mark.show("one stream: a server caches")
         else:
             mark.show("… comparing the two streams")
 

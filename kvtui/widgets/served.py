@@ -21,7 +21,8 @@ from kvtui.format import (
     format_seconds,
     safe_text,
 )
-from kvtui.run.serving import ServerWatch
+from kvtui.run.served_layout import ELEMENT_WORDS
+from kvtui.run.serving import CapacityCheck, ServerWatch
 from kvtui.widgets.plain import plain
 
 FULL = 0.99
@@ -53,21 +54,62 @@ def latency_words(server: ServerWatch | None, ttft: float | None, tpot: float | 
     `tpot`) beside the server's own histograms (their means over the requests it finished while
     kvtui watched)."""
     ours = (
-        f"Measured here (kvtui's clock, HTTP included): first token "
+        f"This request, measured here (kvtui's clock, HTTP included): first token "
         f"{format_seconds(ttft) if ttft is not None else '…'}, each later "
         f"{format_seconds(tpot) if tpot is not None else '…'}."
     )
     if server is None or server.latest is None:
         why = server.error if server is not None and server.error else "no figures yet"
-        return f"{ours}\nvLLM's own: {safe_text(why, one_line=True)}."
+        return f"{ours}\nThe server, all clients (vLLM's own): {safe_text(why, one_line=True)}."
     theirs_ttft, theirs_itl, n = server.ttft_mean_s, server.itl_mean_s, server.ttft_requests
     return (
-        f"{ours}\nvLLM's histograms, mean over the {format_count(n or 0, 'request')} it "
-        f"finished while watched: first token "
+        f"{ours}\nThe server, all clients (not comparable to one request): vLLM's histograms, "
+        f"mean over the {format_count(n or 0, 'request')} it finished while watched, from "
+        "whoever sent them: first token "
         f"{format_seconds(theirs_ttft) if theirs_ttft is not None else '…'}, between tokens "
         f"{format_seconds(theirs_itl) if theirs_itl is not None else '…'}. "
         "Positions computed are the server's: kvtui cannot count them over HTTP."
     )
+
+
+def peak_words(server: ServerWatch) -> str:
+    """The peak usage seen, or that no poll caught the server busy (a run shorter than a
+    poll), rather than a peak of 0%."""
+    if server.pressure.peak_seen or server.peak_usage > 0:
+        return f"peak {format_percent(server.peak_usage)}"
+    return "peak not seen (no poll caught a request: shorter than a poll)"
+
+
+def engines_words(engines: int | None, check: CapacityCheck | str) -> str:
+    """Each data-parallel engine's share of the blocks vLLM reports as one total."""
+    if not engines or engines < 2:
+        return ""
+    each = check.blocks_per_engine if isinstance(check, CapacityCheck) else None
+    if each is None:
+        return f" over {engines} data-parallel engines"
+    memory = check.memory_bytes if isinstance(check, CapacityCheck) else None
+    of = f", {format_bytes(memory)}" if memory is not None else ""
+    return f" ({engines} DP engines x {format_int(each)}{of} each)"
+
+
+def served_dtype_words(check: CapacityCheck) -> str:
+    """Where the server's blocks say it serves the KV cache in another dtype (or split over
+    GPUs) than config.json's, in words; empty where they agree with config.json."""
+    layout = check.layout
+    if layout is None or not layout.differs or layout.fit is None:
+        return ""
+    fit, others = layout.fit, layout.fits[1:]
+    per_token = layout.served_bytes_per_token
+    line = f"served in {fit.words()}"
+    if fit.element_bytes != layout.config_element_bytes:
+        config = ELEMENT_WORDS.get(int(layout.config_element_bytes), "")
+        line += f", not config.json's {config or format_int(int(layout.config_element_bytes))}"
+    if per_token is not None:
+        line += f": {float(per_token):,.0f} B a token = its memory over its blocks"
+    if others:
+        line += " (or " + ", or ".join(o.words() for o in others)
+        line += ": vLLM does not say its tensor/pipeline parallel size)"
+    return line
 
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -156,15 +198,13 @@ class ServedCache(Widget):
         assert m is not None  # render draws blocks only with figures
         line = Text(no_wrap=True, overflow="ellipsis")
         if m.kv_usage is None:  # a poll without the usage gauge: said, not drawn as 0%
-            line.append(
-                f" KV-cache usage: not in this poll, peak {format_percent(server.peak_usage)}"
-            )
+            line.append(f" KV-cache usage: not in this poll, {peak_words(server)}")
             return line
         usage = m.kv_usage
-        summary = f" {format_percent(usage)} in use, peak {format_percent(server.peak_usage)}"
+        peak = peak_words(server)
+        summary = f" {format_percent(usage)} in use, {peak}"
         if m.kv_blocks:  # vLLM reports a share: the cells are that share of its blocks
-            summary = f" {format_percent(usage)} of {format_int(m.kv_blocks)} blocks in use, peak "
-            summary += format_percent(server.peak_usage)
+            summary = f" {format_percent(usage)} of {format_int(m.kv_blocks)} blocks in use, {peak}"
             used = round(usage * m.kv_blocks)
             width = max(4, self.content_size.width - len(summary))
             on, off = block_cells(used, m.kv_blocks, width)
@@ -182,7 +222,7 @@ class ServedCache(Widget):
             lines.append(
                 Text(
                     f"vLLM: {format_int(tokens)} tokens = {format_int(m.kv_blocks)} blocks of "
-                    f"{m.kv_block_tokens} tokens"
+                    f"{m.kv_block_tokens} tokens{engines_words(m.engines, check)}"
                 )
             )
         if isinstance(check, str):
@@ -190,10 +230,11 @@ class ServedCache(Widget):
             return lines
         words = Text()
         if check.predicted is not None:
+            times = f" x {check.engines} engines" if check.engines > 1 else ""
             words.append(
                 f"kvtui: {format_bytes(check.predicted.capacity_bytes)} / ({check.block_tokens} x "
                 f"{format_int(check.kv_bytes_per_token)} B, {check.kv_dtype}) = "
-                f"{format_int(check.predicted.blocks)} blocks: "
+                f"{format_int(check.predicted.blocks)} blocks{times}: "
             )
             if check.override is not None:
                 words.append("vLLM was told its blocks (--num-gpu-blocks-override)", "bold")
@@ -202,12 +243,17 @@ class ServedCache(Widget):
             else:
                 ratio = f" ({check.ratio:.2f}x)" if check.ratio else ""
                 words.append(f"DISAGREE{ratio}", self._style("bad"))
+                if check.reason:
+                    words.append(f": {check.reason}")
         else:
             words.append(
                 f"kvtui: vLLM gives no memory figure; at {format_int(check.kv_bytes_per_token)} "
                 f"B a token ({check.kv_dtype}) its blocks take {format_bytes(check.implied_bytes)}"
             )
         lines.append(words)
+        served = served_dtype_words(check)
+        if served:
+            lines.append(Text(served, "dim"))
         return lines
 
     def _requests(self, server: ServerWatch) -> list[Text]:
@@ -218,7 +264,11 @@ class ServedCache(Widget):
         if m.requests_running is not None:
             parts.append(f"{m.requests_running:,} running")
         if m.requests_waiting is not None:
-            reasons = [r.replace("=", " ") for r in m.waiting_reasons if not r.endswith("=0")]
+            reasons = [
+                r.replace("capacity=", "for scheduling capacity: ").replace("=", " ")
+                for r in m.waiting_reasons
+                if not r.endswith("=0")
+            ]
             why = f" ({', '.join(reasons)})" if reasons else ""
             parts.append(f"{m.requests_waiting:,} waiting{why}")
         line = Text("requests " + ", ".join(parts) if parts else "requests: not reported")
@@ -230,7 +280,9 @@ class ServedCache(Widget):
                 self._style("bad") if seen else "",
             )
         queries, hits = server.prefix_queries_seen, server.prefix_hits_seen
-        if queries == 0:
+        if m.prefix_caching is False:
+            prefix = "prefix caching off"
+        elif queries == 0:
             prefix = "prefix cache: no prompt looked up while watched"
         elif queries is not None and hits is not None:
             prefix = (
@@ -241,7 +293,20 @@ class ServedCache(Widget):
             prefix = f"prefix cache hit rate {format_percent(m.prefix_hit_rate)}"
         else:
             prefix = "prefix cache: not reported"
-        return [line, Text(prefix)]
+        started = self._started
+        limit = started.max_positions if started is not None else None
+        pressure = server.pressure
+        if limit:
+            prefix += f" · max_model_len {format_int(limit)}"
+        prefix += " · max-num-seqs not exposed"
+        lines = [line, Text(prefix)]
+        for words in (
+            pressure.burst_words(),
+            pressure.limit_words(m.kv_capacity_tokens, limit),
+        ):
+            if words:
+                lines.append(Text(words, "dim"))
+        return lines
 
     def _history(self, server: ServerWatch) -> Text:
         """Usage over the newest polls, and what `f` would put on the server."""

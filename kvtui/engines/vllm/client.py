@@ -247,7 +247,9 @@ class _Connection(http.client.HTTPConnection):
     """An HTTP connection whose socket is a `_TimedSocket` of `clock`."""
 
     def __init__(self, host: str, port: int, clock: _Clock) -> None:
-        super().__init__(host, port, timeout=min(clock.wait, max(0.01, clock.deadline - _now())))
+        super().__init__(
+            host, port, timeout=min(READ_WAIT_S, clock.wait, max(0.01, clock.deadline - _now()))
+        )
         self.clock = clock
 
     def connect(self) -> None:
@@ -264,7 +266,7 @@ class _TLSConnection(http.client.HTTPSConnection):
     def __init__(self, host: str, port: int, clock: _Clock) -> None:
         context = ssl.create_default_context()
         context.sslsocket_class = _TimedSSLSocket
-        wait = min(clock.wait, max(0.01, clock.deadline - _now()))
+        wait = min(READ_WAIT_S, clock.wait, max(0.01, clock.deadline - _now()))
         super().__init__(host, port, timeout=wait, context=context)
         self.clock = clock
 
@@ -381,8 +383,12 @@ class Server:
         most until `until` (`time.monotonic`) and `max_bytes` bytes (see the module's
         docstring for the stream's other bounds)."""
         until = min(until, self.until)
-        clock = _Clock(min(until, _now() + STREAM_IDLE_S))
+        # a request vLLM queues (no KV room, or --max-num-seqs running) may get nothing until it
+        # is scheduled: its headers and first token may take STREAM_IDLE_S, not READ_WAIT_S (56
+        # of 120 requests of a fill failed so at max-num-seqs 4); a line once begun READ_WAIT_S
+        clock = _Clock(min(until, _now() + STREAM_IDLE_S), wait=STREAM_IDLE_S)
         conn, response = self._request("POST", path, body, clock)
+        clock.wait = READ_WAIT_S
         if not 200 <= response.status < 300:
             try:
                 data = response.read(MAX_JSON_BYTES)
@@ -440,8 +446,8 @@ class EventStream:
         began: float | None = None
         """When the line in `pending` began (None: between lines)."""
         while not self._closed.is_set():
-            if began is None:
-                self._clock.deadline = self._idle_until
+            if began is None:  # between lines a read waits for the idle deadline, not a wait
+                self._clock.deadline, self._clock.wait = self._idle_until, STREAM_IDLE_S
                 self._late = (
                     "streamed past kvtui's time limit"
                     if self._idle_until >= self.until
@@ -449,6 +455,7 @@ class EventStream:
                 )
             else:
                 self._clock.deadline = min(self._idle_until, began + READ_WAIT_S)
+                self._clock.wait = READ_WAIT_S
                 self._late = f"sent a line too slowly (not whole within {READ_WAIT_S:g} s)"
             chunk = self._response.read1(_READ_CHUNK)
             if not chunk:

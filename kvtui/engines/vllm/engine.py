@@ -269,9 +269,10 @@ class VLLMEngine:
         prompt = len(ids) if ids is not None else 0
         limit = served.max_model_len
         if limit is not None and prompt + settings.tokens > limit:
+            fits = f" (--tokens {limit - prompt:,} at most)" if limit > prompt else ""
             raise EngineError(
                 f"{prompt:,} prompt + {settings.tokens:,} tokens is past the server's "
-                f"max_model_len of {limit:,}"
+                f"max_model_len of {limit:,}{fits}"
             )
         return cls(settings, served, ids, text, replicas)
 

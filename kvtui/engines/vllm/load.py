@@ -85,13 +85,17 @@ class LoadPlan:
 
 
 def fill_plan(url: ServerURL, capacity_tokens: int, max_model_len: int | None) -> LoadPlan:
-    """A load that asks for twice the server's KV cache: FILL_CONCURRENCY requests at a time
-    (more when the cache holds more than that many full-length requests twice), each as long as
-    twice the cache shared among them allows (at most max_model_len), FILL_WAVES of them in
-    turn for each request at a time."""
+    """A load that asks for at least twice the server's KV cache: FILL_CONCURRENCY requests at
+    a time (more when the cache holds more than that many full-length requests twice), each as
+    long as twice the cache shared among them, and at least half max_model_len (a request that
+    ends at once fills nothing: on a cache of 10 blocks of 32 at max_model_len 256 the plan was
+    64 + 1 tokens, done in 1.1 s, between two polls), at most max_model_len; FILL_WAVES of them
+    in turn for each request at a time. Whether it fills depends on what /metrics does not say
+    (how many sequences the server runs at once): kvtui.run.pressure says so after."""
     longest = max_model_len or 4096
     prompt = max(1, min(FILL_PROMPT_TOKENS, longest // 4))
-    each = min(longest, max(prompt + 1, -(-2 * capacity_tokens // FILL_CONCURRENCY)))
+    wanted = max(prompt + 1, longest // 2, -(-2 * capacity_tokens // FILL_CONCURRENCY))
+    each = min(longest, wanted)
     n = min(MAX_CONCURRENCY, max(FILL_CONCURRENCY, -(-2 * capacity_tokens // each)))
     requests = min(MAX_REQUESTS, n * FILL_WAVES)
     return LoadPlan(url, n, prompt, each - prompt, requests, DEFAULT_SECONDS)

@@ -29,9 +29,10 @@ quantity, `NAMES` lists the names kvtui accepts, newest first, and the first pre
 
 Samples of one name are summed over their label sets (a data-parallel server reports one per
 engine), but a figure said again is read once (`_series`: SGLang's TP ranks each report the same
-pool; its per-priority series beside the total); a usage fraction is averaged. A text larger
-than MAX_METRICS_BYTES or with more than MAX_SAMPLES samples is refused, so a hostile server
-costs bounded memory.
+pool; its per-priority series beside the total); a usage fraction is averaged. Not
+`num_gpu_blocks`: vLLM gives every engine's sample the blocks of all its engines already, so it
+is read once (`engines` says how many reported). A text larger than MAX_METRICS_BYTES or with
+more than MAX_SAMPLES samples is refused, so a hostile server costs bounded memory.
 """
 
 from __future__ import annotations
@@ -349,7 +350,16 @@ def server_metrics(text: str, seconds: float) -> ServerMetrics:
     info = read("cache_config")
     if info:
         labels = info[0].labels
-        blocks = _sum([_int_label(s.labels, "num_gpu_blocks") for s in info])
+        # vLLM sums num_gpu_blocks over its data-parallel engines itself and labels every
+        # engine's sample with that total; kv_cache_size_tokens and kv_cache_memory_bytes are
+        # each engine's own (vllm/v1/engine/core_client.py): the blocks are read once, the
+        # token slots summed
+        engines = len({s.labels.get("engine", "") for s in info})
+        values["engines"] = engines
+        counts = [_int_label(s.labels, "num_gpu_blocks") for s in info]
+        blocks = None if any(c is None for c in counts) else max(c or 0 for c in counts)
+        caching = labels.get("enable_prefix_caching")
+        values["prefix_caching"] = {"True": True, "False": False}.get(caching or "")
         block_tokens = _int_label(labels, "block_size", MAX_KV_BLOCK_TOKENS) or None
         values["kv_blocks"] = blocks
         values["kv_block_tokens"] = block_tokens
