@@ -190,3 +190,18 @@ async def test_a_modelled_speedup_names_the_gpu_and_where_the_step_turns_compute
         text = " ".join(run.text().split())
     assert f"until it recomputes about {crossover:,} positions" in text
     assert f"on the {get_gpu('h100').display_name} an uncached step" in text
+
+
+async def test_screen_2s_title_follows_the_cache_toggle():
+    """`c` turns the cache off: screen 2's title no longer says "you compute only the new
+    token" over a screen that shows the uncached loop alone; `c` again puts it back."""
+    async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=8), 2) as run:
+        await run.until_done()
+        titles = []
+        for _ in range(3):
+            titles.append(run.text().splitlines()[1].strip())
+            await run.press("c")
+            await run.settle()
+    on = "2 · With the cache, you compute only the new token"
+    assert titles[0] == titles[2] == on
+    assert titles[1].startswith("2 · The cache is off: every step computes every position")
