@@ -26,7 +26,7 @@ from textual.events import Resize
 from textual.reactive import var
 from textual.widgets import Static
 
-from kvtui.format import format_bytes, format_percent
+from kvtui.format import format_bytes, format_count, format_percent
 from kvtui.run.live import CachePicture, LiveRun
 from kvtui.screens.base import MAX_LENGTH, LessonScreen
 from kvtui.sim.budget import vram_split
@@ -455,7 +455,7 @@ class PresentScreen(LessonScreen):
                 filled, taken = live.filled_bytes, live.allocated_bytes
             full = bool(live.full) and shown.done
             parts = (
-                Part("KV", filled, "kv", f"({rows:,} tokens)"),
+                Part("KV", filled, "kv", f"({format_count(rows, 'row')})"),
                 Part("block tail", max(0, taken - filled), "tail", short="tail"),
                 Part("free", max(0, pool.capacity_bytes - taken), "free"),
             )
@@ -465,7 +465,7 @@ class PresentScreen(LessonScreen):
             pool_bar.show(
                 Bar(parts, pool.capacity_bytes, full=full),
                 [
-                    f"LIVE ({how}): KV pool {size}, {pool.tokens:,} tokens · {state}",
+                    f"LIVE ({how}): KV pool {size}, {format_count(pool.tokens, 'slot')} · {state}",
                     f"KV pool {size} · {state}",
                     state,
                 ],
