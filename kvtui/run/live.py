@@ -558,17 +558,16 @@ class LiveRun:
             return "no weights in this record"
         return "no attention weights"
 
-    def status_line(self, brief: bool = False) -> str:
-        """The run state in a few words, for the header; `brief`, fewer, for a narrow one."""
+    def status_line(self, brief: bool = False, least: bool = False) -> str:
+        """The run state in a few words, for the header; `brief`, fewer, for a narrow one;
+        `least`, the state and what stopped or shapes it, for a header that must still hold the
+        engine at 80 columns ("done · 300/300 · KV cache full · lesson")."""
         total = self.run_tokens
         if self.state == "failed":
-            return f"failed: {self.failure}" if self.failure else "failed"
+            return f"failed: {self.failure}" if self.failure and not least else "failed"
         if self.state == "starting":
-            return (
-                f"starting the engine: {self.progress}..."
-                if self.progress
-                else "starting the engine..."
-            )
+            progress = f": {self.progress}" if self.progress and not least else ""
+            return f"starting the engine{progress}..."
         words = {
             "running": "running",
             "paused": "paused",
@@ -577,12 +576,15 @@ class LiveRun:
         }[self.state]
         steps = [self.loops[loop].steps for loop in self.settings.loops]
         if len(set(steps)) <= 1:
-            words += f" · step {max(steps, default=0):,}/{total:,}"
-        else:
+            n = max(steps, default=0)
+            words += f" · {n:,}/{total:,}" if least else f" · step {n:,}/{total:,}"
+        elif not least:  # least: each loop's count is in its stream's border
             each = ", ".join(f"{loop} {self.loops[loop].steps:,}" for loop in self.settings.loops)
             words += f" · {each} of {total:,}"
         cached = self.loops["cached"].finished
         if cached is not None and cached.reason == "out_of_memory":
-            words += " · KV cache full" if brief else " · cached loop stopped: KV cache full"
+            words += (
+                " · KV cache full" if brief or least else " · cached loop stopped: KV cache full"
+            )
         lesson = self.settings.lesson and not self.replayed  # a replay plays what it recorded
-        return words + (" · lesson mode" if lesson else "")
+        return words + (" · lesson" if least else " · lesson mode") * lesson
