@@ -177,8 +177,9 @@ class CacheScreen(WorkScreen):
         if not self.run.how:  # nothing has run yet: nothing to explain
             return ""
         cached = self.run.loop("cached").step_seconds
+        timed = "Measured" if self.run.how == "measured" else "The recorded time"
         lines = [
-            "Measured is below the count: recomputing many positions in one pass costs less "
+            f"{timed} is below the count: recomputing many positions in one pass costs less "
             "per position than a one-token step."
         ]
         values = cached.values[1:]

@@ -334,13 +334,13 @@ class PresentScreen(LessonScreen):
             return fit([f"{who}: {run.status_line()}", run.status_line(True)], width)
         shown = self._reveal()
         loop = "uncached" if node.part == "staircase" else "cached"
-        k, measured = shown.of(loop), run.loop(loop).steps
+        k, ran = shown.of(loop), run.loop(loop).steps
         live = run.pool() if node.part == "memory" else None
         total = (live.stops_at if live is not None else None) or run.run_tokens
         pace = "all shown" if shown.done else f"step {k:,} of {total:,}"
-        if not shown.done and run.loop(loop).finished is None:
-            pace += f" ({measured:,} measured so far)"
         how = run.how or "not yet run"
+        if not shown.done and run.loop(loop).finished is None:
+            pace += f" ({ran:,} {how} so far)"
         return fit(
             [
                 f"{how}: {who}, shown at a room's pace: {pace} · r again · +/- length "

@@ -321,8 +321,8 @@ NODES: tuple[Node, ...] = (
     Node(
         "kvtui · why LLM decoding needs a KV cache",
         "kvtui",
-        "A real model decodes beside this screen, with and without a cache: every figure is "
-        "measured on it, or says it is modelled. Space moves on.",
+        "A model decodes beside this screen, with and without a cache: every figure says if "
+        "it is measured, recorded or modelled. Space moves on.",
         "title",
     ),
     Node(

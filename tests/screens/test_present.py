@@ -229,7 +229,7 @@ async def test_the_title_is_up_and_moving_while_the_engine_starts():
     async with headless(LESSON, present=True, engine=held) as run:
         await run.pilot.pause()
         text = run.text()
-        assert "A real model decodes beside this screen" in " ".join(text.split())
+        assert "A model decodes beside this screen" in " ".join(text.split())
         assert "██" in text  # the name, large
         line = run.app.screen.query_one("#present-status").render()
         await run.wait_for(lambda: run.app.screen.query_one("#present-status").render() != line)
