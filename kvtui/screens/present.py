@@ -469,7 +469,9 @@ class PresentScreen(LessonScreen):
                     f"KV pool {size} · {state}",
                     state,
                 ],
-                [f"sized for this room ({live.source})", "sized for this room", ""],
+                [f"sized for this room ({live.source})", "sized for this room", ""]
+                if self._room_pool
+                else [f"this run's pool ({live.source})", "this run's pool", ""],
             )
             weights.update(f"weights\n{format_bytes(started.weights_bytes)}\n(not to scale)")
         b = lesson_budget()

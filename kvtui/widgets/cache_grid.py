@@ -275,7 +275,11 @@ class CacheGrid(Widget):
         tokens, answer = p.step + 1 if p.step is not None else 0, p.rows - p.prompt
         counts = f"{p.prompt:,} prompt + {answer:,} of {format_count(tokens, 'token')}"
         rows = format_count(p.rows, "row")
-        words = fit([f"{rows} = {counts}", counts, f"= {p.prompt:,} + {answer:,}"], width)
+        shorter = [
+            f"{p.prompt:,} prompt + {answer:,} of {tokens:,}",
+            f"= {p.prompt:,} + {answer:,}",
+        ]
+        words = fit([f"{rows} = {counts}", counts, *shorter], width)
         return Text(words, style=self._style("muted"), no_wrap=True, end="")
 
     def _query_line(self, width: int) -> Text:
@@ -314,6 +318,8 @@ class CacheGrid(Widget):
                 f"first {sink}: {first} · newest {newest}: {last}{ago}",
                 f"first {sink} {first} · last {newest} {last}",
             ]
+            if p.behind:  # narrow: the weights' age before the sink's share
+                variants.insert(-1, f"last {newest} {last}, {format_count(p.behind, 'step')} ago")
         else:
             variants = [f"first {sink}: {first} · {layer}{heads}{ago}", f"first {sink}: {first}"]
         fits = next((v for v in variants if len(v) <= width), variants[-1])
