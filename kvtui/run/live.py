@@ -564,7 +564,7 @@ class LiveRun:
         engine at 80 columns ("done · 300/300 · KV cache full · lesson")."""
         total = self.run_tokens
         if self.state == "failed":
-            return f"failed: {self.failure}" if self.failure and not least else "failed"
+            return f"failed: {self.failure}" if self.failure else "failed"  # why, always
         if self.state == "starting":
             progress = f": {self.progress}" if self.progress and not least else ""
             return f"starting the engine{progress}..."
