@@ -169,8 +169,8 @@ def largest_font(texts: list[str], width: int, height: int) -> int | None:
 TITLE = "kvtui"
 SUBTITLE = "why LLM decoding needs a KV cache"
 IDEA = (
-    "A real model decodes beside this screen, with and without a cache: every figure is "
-    "measured on it, or says it is modelled. Space moves on."
+    "A model decodes beside this screen, with and without a cache: every figure says if "
+    "it is measured, recorded or modelled. Space moves on."
 )
 
 

@@ -727,7 +727,7 @@ def test_the_app_draws_its_title_card_before_the_app_and_leaves_the_terminal_as_
         assert MOUSE_ON in term.seen, term.seen[-2000:]
         before_app = term.seen.split(MOUSE_ON)[0].decode(errors="replace")
         assert before_app.startswith("\x1b[?1049h")  # the app's own screen, at once
-        assert "A real model decodes beside this screen" in before_app
+        assert "A model decodes beside this screen" in before_app
         assert "starting kvtui..." in before_app and "██" in before_app
         term.read_until(lambda: b"space" in term.seen.split(MOUSE_ON)[-1], 60)  # its first frame
         term.press(b"q")

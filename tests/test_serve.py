@@ -159,7 +159,7 @@ def test_each_tab_runs_the_app_with_the_options_given(made, capsys):
     app = child_command(APP_MAIN)
     assert argv == [*app, *options] and app[:3] == [sys.executable, "-I", "-u"]
     served = build_parser().parse_args(argv[len(app) :])
-    assert made[0].page["idea"].startswith("A real model decodes")  # presenter mode's card
+    assert made[0].page["idea"].startswith("A model decodes")  # presenter mode's card
     assert made[0].page["body_class"] == "kvtui-light"
     given = build_parser().parse_args(["serve", *options])
     for name, value in vars(served).items():

@@ -90,7 +90,11 @@ class CachePicture:
     no_attention: str = ""
     """Why there are no weights, in words ("" where there are)."""
     behind: int = 0
-    """Steps the loop has run past the one drawn (weights come at most 15 times a second)."""
+    """Steps the loop has run past the one whose attention is drawn (weights come at most 15
+    times a second; the rows, the query and the counts are always the step drawn)."""
+    prompt: int = 0
+    """Positions of the prompt: the rows are `prompt` + the first `rows - prompt` tokens
+    generated (the newest token's row is written by the next step)."""
     unseen: str = ""
     """Why this run's cache cannot be drawn, in words (a served run's is the server's), or ""."""
 
@@ -501,24 +505,28 @@ class LiveRun:
         return self.loops[loop].piece(position - P)
 
     def picture(self, loop: Loop) -> CachePicture:
-        """`loop`'s KV cache as the picture draws it (kvtui.widgets.cache_grid), at the newest
-        step that carried its attention where the engine sends it (the rows, query and weights
-        are then all of one step), else at the newest step."""
+        """`loop`'s KV cache as the picture draws it (kvtui.widgets.cache_grid), at its newest
+        step: the step the cards, the stream and the header count. Where the engine sends
+        attention (at most ATTENTION_PER_SECOND steps a second), the weights are the newest
+        step's that carried them, over the rows that step read, and `behind` says how many
+        steps ago that was."""
         started, trace = self.started, self.loops[loop]
         if self.server is not None:
             return CachePicture(loop, self.how, unseen=SERVED_CACHE)
-        if started is None or trace.last is None:
+        sample = trace.last
+        if started is None or sample is None:
             return CachePicture(loop, self.how)
-        sample = trace.attention if started.attention_layer is not None else None
-        sample = sample or trace.last
+        weighed = trace.attention if started.attention_layer is not None else None
         step, rows = sample.step, sample.position  # keys read: every position before the output
         P = self.prompt_tokens
         cached = loop == "cached"
         listed = [*range(min(rows, FIRST_PIECES)), *range(max(0, rows - LAST_PIECES), rows)]
         pieces = {i: piece for i in listed if (piece := self.piece(loop, i)) is not None}
         attention = None
-        if sample.attention is not None and sample.attention_spans is not None:
-            attention = Attention(step, rows - 1, sample.attention_spans, sample.attention)
+        if weighed is not None and weighed.attention is not None and weighed.attention_spans:
+            attention = Attention(
+                weighed.step, weighed.position - 1, weighed.attention_spans, weighed.attention
+            )
         block = started.kv_block_tokens if cached else None
         # measured: the bytes the cache's tensors hold over the rows they hold, per sequence
         row_bytes = sample.kv_bytes // (rows * self.batch) if cached and rows else 0
@@ -540,7 +548,8 @@ class LiveRun:
             attention_layer=started.attention_layer,
             attention_heads=started.attention_heads,
             no_attention="" if attention else self._no_attention(),
-            behind=trace.steps - 1 - step,
+            behind=step - attention.step if attention else 0,
+            prompt=P,
         )
 
     def _no_attention(self) -> str:
@@ -557,17 +566,16 @@ class LiveRun:
             return "no weights in this record"
         return "no attention weights"
 
-    def status_line(self, brief: bool = False) -> str:
-        """The run state in a few words, for the header; `brief`, fewer, for a narrow one."""
+    def status_line(self, brief: bool = False, least: bool = False) -> str:
+        """The run state in a few words, for the header; `brief`, fewer, for a narrow one;
+        `least`, the state and what stopped or shapes it, for a header that must still hold the
+        engine at 80 columns ("done · 300/300 · KV cache full · lesson")."""
         total = self.run_tokens
         if self.state == "failed":
-            return f"failed: {self.failure}" if self.failure else "failed"
+            return f"failed: {self.failure}" if self.failure else "failed"  # why, always
         if self.state == "starting":
-            return (
-                f"starting the engine: {self.progress}..."
-                if self.progress
-                else "starting the engine..."
-            )
+            progress = f": {self.progress}" if self.progress and not least else ""
+            return f"starting the engine{progress}..."
         words = {
             "running": "running",
             "paused": "paused",
@@ -576,12 +584,15 @@ class LiveRun:
         }[self.state]
         steps = [self.loops[loop].steps for loop in self.settings.loops]
         if len(set(steps)) <= 1:
-            words += f" · step {max(steps, default=0):,}/{total:,}"
-        else:
+            n = max(steps, default=0)
+            words += f" · {n:,}/{total:,}" if least else f" · step {n:,}/{total:,}"
+        elif not least:  # least: each loop's count is in its stream's border
             each = ", ".join(f"{loop} {self.loops[loop].steps:,}" for loop in self.settings.loops)
             words += f" · {each} of {total:,}"
         cached = self.loops["cached"].finished
         if cached is not None and cached.reason == "out_of_memory":
-            words += " · KV cache full" if brief else " · cached loop stopped: KV cache full"
+            words += (
+                " · KV cache full" if brief or least else " · cached loop stopped: KV cache full"
+            )
         lesson = self.settings.lesson and not self.replayed  # a replay plays what it recorded
-        return words + (" · lesson mode" if lesson else "")
+        return words + (" · lesson" if least else " · lesson mode") * lesson

@@ -147,6 +147,7 @@ class LessonScreen(Screen):
             device_label=self.run.device_label,
             engine_short=brief,
             status_short=self._status_words(brief=True),
+            status_least=self.run.status_line(least=True),
         )
         self.redraw()
 

@@ -8,6 +8,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.reactive import var
+from textual.widgets import Static
 from textual_plotext.plot import Plot
 
 from kvtui.format import format_int, format_ratio, format_seconds, format_tick
@@ -42,6 +43,8 @@ class CacheScreen(WorkScreen):
     """Both loops side by side: the same tokens, a staircase against a flat line."""
 
     TITLE_TEXT = "2 · With the cache, you compute only the new token"
+    TITLE_OFF = "2 · The cache is off: every step computes every position again (c: on)"
+    """The title while `c` has turned the cache off: the screen then shows the uncached loop."""
 
     BINDINGS = [
         Binding("c", "app.toggle_cache", "Cache"),
@@ -81,8 +84,9 @@ class CacheScreen(WorkScreen):
         self.redraw_now()
 
     def _show_legend(self) -> None:
-        """The charts' legend names the cached line only while it is drawn."""
+        """The title and the charts' legend name the cached loop only while it is drawn."""
         on = self.cache_on
+        self.query_one(".lesson-title", Static).update(self.TITLE_TEXT if on else self.TITLE_OFF)
         templates = (CAPTION, CAPTION_NARROW) if on else (CAPTION_OFF, CAPTION_OFF_NARROW)
         for caption, template in zip(self.query(Caption), templates, strict=False):
             caption.show(template)
@@ -195,8 +199,9 @@ class CacheScreen(WorkScreen):
         if not self.run.how:  # nothing has run yet: nothing to explain
             return ""
         cached = self.run.loop("cached").step_seconds
+        timed = "Measured" if self.run.how == "measured" else "The recorded time"
         lines = [
-            "Measured is below the count: recomputing many positions in one pass costs less "
+            f"{timed} is below the count: recomputing many positions in one pass costs less "
             "per position than a one-token step."
         ]
         values = cached.values[1:]

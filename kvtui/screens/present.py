@@ -26,7 +26,7 @@ from textual.events import Resize
 from textual.reactive import var
 from textual.widgets import Static
 
-from kvtui.format import format_bytes, format_percent
+from kvtui.format import format_bytes, format_count, format_percent
 from kvtui.run.live import CachePicture, LiveRun
 from kvtui.screens.base import MAX_LENGTH, LessonScreen
 from kvtui.sim.budget import vram_split
@@ -334,13 +334,13 @@ class PresentScreen(LessonScreen):
             return fit([f"{who}: {run.status_line()}", run.status_line(True)], width)
         shown = self._reveal()
         loop = "uncached" if node.part == "staircase" else "cached"
-        k, measured = shown.of(loop), run.loop(loop).steps
+        k, ran = shown.of(loop), run.loop(loop).steps
         live = run.pool() if node.part == "memory" else None
         total = (live.stops_at if live is not None else None) or run.run_tokens
         pace = "all shown" if shown.done else f"step {k:,} of {total:,}"
-        if not shown.done and run.loop(loop).finished is None:
-            pace += f" ({measured:,} measured so far)"
         how = run.how or "not yet run"
+        if not shown.done and run.loop(loop).finished is None:
+            pace += f" ({ran:,} {how} so far)"
         return fit(
             [
                 f"{how}: {who}, shown at a room's pace: {pace} · r again · +/- length "
@@ -455,7 +455,7 @@ class PresentScreen(LessonScreen):
                 filled, taken = live.filled_bytes, live.allocated_bytes
             full = bool(live.full) and shown.done
             parts = (
-                Part("KV", filled, "kv", f"({rows:,} tokens)"),
+                Part("KV", filled, "kv", f"({format_count(rows, 'row')})"),
                 Part("block tail", max(0, taken - filled), "tail", short="tail"),
                 Part("free", max(0, pool.capacity_bytes - taken), "free"),
             )
@@ -465,11 +465,13 @@ class PresentScreen(LessonScreen):
             pool_bar.show(
                 Bar(parts, pool.capacity_bytes, full=full),
                 [
-                    f"LIVE ({how}): KV pool {size}, {pool.tokens:,} tokens · {state}",
+                    f"LIVE ({how}): KV pool {size}, {format_count(pool.tokens, 'slot')} · {state}",
                     f"KV pool {size} · {state}",
                     state,
                 ],
-                [f"sized for this room ({live.source})", "sized for this room", ""],
+                [f"sized for this room ({live.source})", "sized for this room", ""]
+                if self._room_pool
+                else [f"this run's pool ({live.source})", "this run's pool", ""],
             )
             weights.update(f"weights\n{format_bytes(started.weights_bytes)}\n(not to scale)")
         b = lesson_budget()

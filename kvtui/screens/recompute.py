@@ -81,10 +81,10 @@ class RecomputeScreen(WorkScreen):
             self.query_one(f"#{i}", StatCard) for i in ("per-step", "total", "wasted")
         )
         last = trace.last
-        if how := self.run.how:
-            captions = zip(self.query(Caption), (CAPTION, CAPTION_NARROW), strict=True)
-            for caption, template in captions:
-                caption.show(template.replace("measured", how))
+        how = self.run.how
+        captions = zip(self.query(Caption), (CAPTION, CAPTION_NARROW), strict=True)
+        for caption, template in captions:  # how the run's figures were had, once it says
+            caption.show(template.replace("measured", how or "the engine's"))
         if last is None:
             per_step.value = total.value = wasted.value = "…"
             per_step.note = total.note = wasted.note = how or "…"

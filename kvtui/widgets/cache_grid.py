@@ -189,7 +189,7 @@ class CacheGrid(Widget):
     def lines(self, width: int, height: int) -> list[Text]:
         """The picture in `height` lines of `width` cells: the rows, the query, the shares."""
         p = self.picture
-        footer = [self._query_line(width), self._share_line(width)]
+        footer = [self._count_line(width), self._query_line(width), self._share_line(width)]
         room = max(1, height - len(footer))
         shown = listed(p.rows, room)
         digits = len(f"{max(0, p.rows - 1)}")
@@ -268,6 +268,20 @@ class CacheGrid(Widget):
         line.append(f"{drawn:<{room}}", style=self._style("bar"))
         line.append(f" {figure}", style=self._style("muted"))
 
+    def _count_line(self, width: int) -> Text:
+        """How the rows relate to the tokens the stream counts: the prompt's, and every token
+        generated but the newest (whose keys and values the next step writes)."""
+        p = self.picture
+        tokens, answer = p.step + 1 if p.step is not None else 0, p.rows - p.prompt
+        counts = f"{p.prompt:,} prompt + {answer:,} of {format_count(tokens, 'token')}"
+        rows = format_count(p.rows, "row")
+        shorter = [
+            f"{p.prompt:,} prompt + {answer:,} of {tokens:,}",
+            f"= {p.prompt:,} + {answer:,}",
+        ]
+        words = fit([f"{rows} = {counts}", counts, *shorter], width)
+        return Text(words, style=self._style("muted"), no_wrap=True, end="")
+
     def _query_line(self, width: int) -> Text:
         """The newest query: which row asks, how many keys it read, that it is not kept, and
         the token it chose (whose keys and values are the next step's row)."""
@@ -289,13 +303,14 @@ class CacheGrid(Widget):
         a = p.attention
         if a is None:
             return Text(p.no_attention or "no attention weights", style=muted, end="")
-        sink = min(SINK_TOKENS, p.rows)
-        newest = min(NEWEST, max(0, p.rows - sink))
+        read = a.query_position + 1  # the rows that step's query read
+        sink = min(SINK_TOKENS, read)
+        newest = min(NEWEST, max(0, read - sink))
         first = format_share(a.share(0, sink))
-        last = format_share(a.share(p.rows - newest, p.rows))
+        last = format_share(a.share(read - newest, read))
         heads = f", {p.attention_heads} heads" if p.attention_heads else ""
         layer = "" if p.attention_layer is None else f"layer {p.attention_layer + 1}/{p.layers}"
-        ago = f" · {p.behind:,} steps ago" if p.behind else ""
+        ago = f" · weights {format_count(p.behind, 'step')} ago" if p.behind else ""
         if newest:
             variants = [
                 f"first {sink}: {first} · newest {newest}: {last} · {layer}{heads}{ago}",
@@ -303,6 +318,8 @@ class CacheGrid(Widget):
                 f"first {sink}: {first} · newest {newest}: {last}{ago}",
                 f"first {sink} {first} · last {newest} {last}",
             ]
+            if p.behind:  # narrow: the weights' age before the sink's share
+                variants.insert(-1, f"last {newest} {last}, {format_count(p.behind, 'step')} ago")
         else:
             variants = [f"first {sink}: {first} · {layer}{heads}{ago}", f"first {sink}: {first}"]
         fits = next((v for v in variants if len(v) <= width), variants[-1])

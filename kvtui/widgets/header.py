@@ -14,7 +14,9 @@ class RunHeader(Widget):
 
     The line is fitted to the width when it is drawn: first the separators tighten, then the
     device loses its detail (the full reason stays in help, `?`), then the engine loses the
-    model's words; only then is the end cut off with an ellipsis.
+    model's words, the device goes, and the status is said in fewer words and then in the
+    fewest (the state, and what stopped or shapes the run); the state and the engine are kept to
+    the last: where even they do not fit, the engine's end is cut with an ellipsis.
     """
 
     DEFAULT_CSS = """
@@ -29,7 +31,7 @@ class RunHeader(Widget):
 
     def __init__(self) -> None:
         super().__init__()
-        self._parts: tuple[str, ...] = ("",) * 7
+        self._parts: tuple[str, ...] = ("",) * 8
 
     def show(
         self,
@@ -42,28 +44,31 @@ class RunHeader(Widget):
         device_label: str,
         engine_short: str = "",
         status_short: str = "",
+        status_least: str = "",
     ) -> None:
         """`device` in full (the probe's `description`); `device_label` in a few words (its
         `label`), used when the line is narrow; `engine_short`, the engine in fewer words, when
-        even that is too long; `status_short`, the status in fewer words, last of all."""
+        even that is too long; `status_short`, the status in fewer words, then `status_least`,
+        the fewest, last of all (kvtui.run.live.LiveRun.status_line)."""
         for name in ("running", "paused", "done", "failed", "stopped", "starting"):
             self.set_class(name == state, f"-{name}")
         mark = MARKS.get(state, "… ")
         parts = (mark + status, engine, model, device, device_label, engine_short or engine)
-        parts += (mark + (status_short or status),)
+        parts += (mark + (status_short or status), mark + (status_least or status_short or status))
         if parts != self._parts:  # a redraw that changed nothing repaints nothing
             self._parts = parts
             self.refresh()
 
     def variants(self) -> list[Text]:
         """The header's line, from the fullest wording to the shortest."""
-        status, full, model, device, short, brief, brief_status = self._parts
+        status, full, model, device, short, brief, brief_status, least = self._parts
         wordings = [(status, full, model, device), (status, full, model, short)]
         wordings.append((status, full, "", short))
         wordings.append((status, brief, "", short))
         wordings.append((status, brief, "", ""))  # the device left to help rather than cut
-        if brief_status != status:  # then the status in fewer words
-            wordings += [(brief_status, brief, "", short), (brief_status, brief, "", "")]
+        for fewer in dict.fromkeys((brief_status, least)):  # then the status in fewer words
+            if fewer != status:
+                wordings += [(fewer, brief, "", short), (fewer, brief, "", "")]
         lines = []
         for said, engine, words, where in wordings:
             for separator in ("  │  ", " │ "):
@@ -87,4 +92,4 @@ class RunHeader(Widget):
         for text in variants:
             if text.cell_len <= width:
                 return text
-        return variants[-1]
+        return variants[-1]  # the state and the engine: its end cut where it must be

@@ -261,17 +261,22 @@ def _token_bytes(run: LiveRun, shown: Reveal) -> Shown:
     elements = 2 * started.layers * started.kv_heads * started.head_dim
     size = started.kv_bytes_per_token // max(1, elements)
     formula = f"2x{started.layers}x{started.kv_heads}x{started.head_dim}x{size} B"
-    if elements * size != per_row:
-        formula += f" = {format_bytes(elements * size)}"
-    layers = f"all {started.layers} layers"
-    return Shown(format_bytes(per_row), f"{_how(run)}: K + V, {layers} (formula: {formula})")
+    # The figure is the engine's: the bytes its cache holds over the rows it holds, K and V of
+    # every layer; the formula beside it is the lesson's, and says whether the two agree.
+    said = "agrees" if elements * size == per_row else f"says {format_bytes(elements * size)}"
+    return Shown(
+        format_bytes(per_row),
+        f"{_how(run)}: bytes held per row (K + V); the formula {formula} {said}",
+    )
 
 
 def _held(run: LiveRun, shown: Reveal) -> Shown:
-    if not shown.of("cached"):
+    k = shown.of("cached")
+    if not k:
         return Shown(None, "keys and values held")
-    rows = format_count(_rows_shown(run, shown), "token")
-    return Shown(format_bytes(held_bytes(run, shown)), f"{_how(run)}: {rows}, one more a step")
+    rows = format_count(_rows_shown(run, shown), "row")
+    tokens = f"{run.prompt_tokens:,} prompt + {format_count(k - 1, 'token')}"
+    return Shown(format_bytes(held_bytes(run, shown)), f"{_how(run)}: {rows} = {tokens}")
 
 
 def _full_at(run: LiveRun, shown: Reveal) -> Shown:
@@ -285,7 +290,8 @@ def _full_at(run: LiveRun, shown: Reveal) -> Shown:
         return Shown(f"{live.steps:,}", f"{_how(run)}: it stopped there; the formula said {said}")
     if predicted is None or predicted >= live.run_tokens:
         return Shown("FITS", f"formula: {live.run_tokens:,} tokens fit the {size} pool")
-    return Shown(f"{predicted:,}", f"formula: the {size} pool holds {live.pool.tokens:,} tokens")
+    slots = format_count(live.pool.tokens, "slot")
+    return Shown(f"{predicted:,}", f"formula: the {size} pool has {slots} for rows")
 
 
 def lesson_budget() -> Budget:
@@ -315,8 +321,8 @@ NODES: tuple[Node, ...] = (
     Node(
         "kvtui · why LLM decoding needs a KV cache",
         "kvtui",
-        "A real model decodes beside this screen, with and without a cache: every figure is "
-        "measured on it, or says it is modelled. Space moves on.",
+        "A model decodes beside this screen, with and without a cache: every figure says if "
+        "it is measured, recorded or modelled. Space moves on.",
         "title",
     ),
     Node(

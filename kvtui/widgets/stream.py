@@ -9,6 +9,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from kvtui.format import format_count
+
 _LINE_BREAK = re.compile(r"(?<!\n)\n(?!\n)")
 
 
@@ -73,7 +75,7 @@ class TokenStream(Widget):
         the prompt (dimmed: the model's input, not its output). `placeholder`: the text is not
         a model's (a modelled run's stand-in), and the panel says so."""
         self.prompt, self.text, self.current = prompt, text, current
-        count = f"{steps:,} tokens" if steps else ""
+        count = format_count(steps, "token") if steps else ""
         wordings = (
             [f"placeholder text · {count}", f"placeholder · {count}", "placeholder text"]
             if placeholder

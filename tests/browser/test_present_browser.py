@@ -66,7 +66,7 @@ def test_each_node_fills_the_page_and_its_figures_are_large(browser, server, siz
         tab = TerminalPage(context.new_page(), server.url).open()
         card = tab.page.locator(".kvtui-card")
         assert "why LLM decoding needs a KV cache" in card.inner_text()  # the page, at once
-        tab.wait_for_text("A real model decodes", "done · step 24/24", timeout=60)
+        tab.wait_for_text("A model decodes", "done · step 24/24", timeout=60)
         shot(tab, folders, f"{width}x{height}-0-title.png")
         columns, rows = tab.page.evaluate(
             "() => [window.__kvtuiTerm.cols, window.__kvtuiTerm.rows]"

@@ -116,7 +116,7 @@ def test_presenter_mode_steps_through_the_lesson_on_the_live_model_in_a_tab(new_
     server = start_server("--present", "--lesson", "--engine", "tiny", "--max-sessions", "1")
     try:
         tab = new_tab(server.url).open()
-        tab.wait_for_text("A real model decodes", "done · step 24/24", timeout=90)
+        tab.wait_for_text("A model decodes", "done · step 24/24", timeout=90)
         tab.press("Space")
         text = tab.wait_for_text("Without a cache, every step", "positions each step computes")
         assert "PER STEP" not in text  # one idea at a time

@@ -173,3 +173,30 @@ async def test_the_picture_and_presenter_mode_read_on_both_themes():
                 faint += too_faint(run, f"{theme}, {where}")
             await run.press("p", "2")
     assert not faint, "\n".join(faint)
+
+
+async def test_the_picture_shows_the_step_the_cards_count_with_older_weights_said_so():
+    """An engine sends attention with some steps only (at most 15 a second): the picture's rows,
+    query and counts are still the newest step's, the one PER STEP and the stream count, and its
+    weights say how many steps ago they were (before, the whole picture was a step or more
+    behind the cards: "PER STEP 76" beside "No cache: 75 rows again")."""
+    events = [
+        replace(e, attention=None, attention_spans=None)
+        if isinstance(e, StepSample) and e.step != 11
+        else e
+        for e in with_attention(measured_events(LESSON))
+    ]
+    app = build(1, 16, lesson=True, events=events)
+    async with app.run_test(size=(160, 48)) as pilot:
+        await settle(app, pilot)
+        grid = app.screen.query_one(CacheGrid)
+        per_step = app.screen.query_one("#per-step").value
+        assert per_step == "16"  # the 16th step: 1 prompt position + 15 tokens, again
+        assert grid.border_title == "No cache: all 16 rows again"
+        lines = [line.plain for line in grid.lines(*grid.content_size)]
+        assert "16 rows = 1 prompt + 15 of 16 tokens" in lines
+        assert any(line.startswith("q 15 reads 16 keys") for line in lines)
+        shares = {line[1:].split()[0]: line.split()[-1] for line in lines if " K V" in line}
+        assert shares["0"] == "60%" and shares["11"] == "40%"  # step 12's query read 12 keys
+        assert "12" not in shares or not shares["12"].endswith("%")  # rows it never read
+        assert lines[-1].endswith("· weights 4 steps ago")

@@ -79,3 +79,25 @@ async def test_a_status_too_long_for_the_line_is_said_in_fewer_words_not_cut():
         status_short="running · uncached 297, cached 293 of 600 · KV cache full",
     )
     assert line == "▶ running · uncached 297, cached 293 of 600 · KV cache full  │  tiny"
+
+
+async def test_at_80_columns_a_full_cache_in_lesson_mode_keeps_the_engine_and_the_state():
+    """A lesson run whose cached loop fills its pool (2 MiB: 16 of llama's 128 KiB rows): its
+    status ("done · uncached 24, cached 16 of 24 · KV cache full · lesson mode · r restarts")
+    left no room at 80 columns, and the engine and device were cut off; the status now says
+    less (the state, the full cache, lesson mode), the engine and device stay. Narrower, the
+    device goes first, then the engine's end, never the state."""
+    from kvtui.testing import RunSettings, headless
+
+    settings = RunSettings(
+        "sim:llama-3.1-8b@h100", tokens=24, lesson=True, kv_budget_bytes=2 * 1024 * 1024
+    )
+    async with headless(settings, 2, size=(80, 24)) as run:
+        assert await run.until_done() == "done"
+        header = run.text().splitlines()[0].strip()
+        assert header == "✓ done · KV cache full · lesson  │  sim:llama-3.1-8b@h100  │  CPU, no GPU"
+        shown = run.app.screen.query_one(RunHeader)
+        shown.styles.width = 40
+        await run.pilot.pause()
+        # the fewest words, the state first: only the engine's end is cut (drawn with an ellipsis)
+        assert str(shown.render()) == "✓ done · KV cache full · lesson │ sim:llama-3.1-8b@h100"

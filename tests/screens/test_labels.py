@@ -190,3 +190,51 @@ async def test_a_modelled_speedup_names_the_gpu_and_where_the_step_turns_compute
         text = " ".join(run.text().split())
     assert f"until it recomputes about {crossover:,} positions" in text
     assert f"on the {get_gpu('h100').display_name} an uncached step" in text
+
+
+async def test_screen_2s_title_follows_the_cache_toggle():
+    """`c` turns the cache off: screen 2's title no longer says "you compute only the new
+    token" over a screen that shows the uncached loop alone; `c` again puts it back."""
+    async with headless(RunSettings("sim:llama-3.1-8b@h100", tokens=8), 2) as run:
+        await run.until_done()
+        titles = []
+        for _ in range(3):
+            titles.append(run.text().splitlines()[1].strip())
+            await run.press("c")
+            await run.settle()
+    on = "2 · With the cache, you compute only the new token"
+    assert titles[0] == titles[2] == on
+    assert titles[1].startswith("2 · The cache is off: every step computes every position")
+
+
+async def test_a_modelled_run_never_says_measured_on_screens_1_2_or_the_presenter():
+    """A `sim:` run, before it starts and stalled mid-run (its engine held after a few steps):
+    screens 1 and 2 and presenter mode never call a figure measured (screen 1's captions said
+    "measured" until the engine started; the presenter's pace said "(12 measured so far)")."""
+    from kvtui.testing import ScriptedEngine
+
+    settings = RunSettings("sim:llama-3.1-8b@h100", tokens=24, lesson=True)
+
+    def said(text: str) -> str:
+        words = " ".join(text.split()).lower()  # a label in capitals too ("MEASURED")
+        # what is not a claim: "modelled (roofline), not measured", the title's list of kinds
+        return words.replace("not measured", "").replace("measured, recorded or modelled", "")
+
+    async with headless(settings, 1, size=SIZE, autostart=False) as run:
+        await run.settle()
+        assert "measured" not in said(run.text())
+
+    def held(s: RunSettings) -> ScriptedEngine:
+        return ScriptedEngine.from_settings(s, hold_at=14)  # the start and a few steps a loop
+
+    for present in (False, True):
+        async with headless(settings, 1, size=SIZE, engine=held, present=present) as run:
+            await run.wait_for(lambda: run.engine is not None and len(run.engine.sent) == 14)
+            await run.settle()
+            pages = []
+            for key in ["space"] * 12 if present else ["2", "c", "c"]:
+                pages.append(said(run.text()))
+                await run.press(key)
+                await run.settle()
+            bad = [p[p.index("measured") - 200 :][:300] for p in pages if "measured" in p]
+            assert bad == [], bad

@@ -229,7 +229,7 @@ async def test_the_title_is_up_and_moving_while_the_engine_starts():
     async with headless(LESSON, present=True, engine=held) as run:
         await run.pilot.pause()
         text = run.text()
-        assert "A real model decodes beside this screen" in " ".join(text.split())
+        assert "A model decodes beside this screen" in " ".join(text.split())
         assert "██" in text  # the name, large
         line = run.app.screen.query_one("#present-status").render()
         await run.wait_for(lambda: run.app.screen.query_one("#present-status").render() != line)
@@ -255,3 +255,37 @@ async def test_every_node_reads_on_both_themes(theme, quick_pace):
             faint += too_faint(run, f"{theme}, {node.title}")
             await run.press("space")
     assert not faint, "\n".join(faint)
+
+
+@pytest.mark.parametrize(
+    ("engine", "how", "held"),
+    [("replay", "replayed", "107 rows = 44 prompt + 63 tokens"), ("sim", "modelled", None)],
+)
+async def test_node_3s_figures_say_what_they_are_and_count_rows_as_rows(
+    engine, how, held, quick_pace
+):
+    """A TOKEN is the engine's bytes held per row (measured, recorded or modelled, as the run
+    says), beside the formula that agrees with it, not "measured" over the formula's caption;
+    HELD NOW counts the rows it holds as rows, prompt and tokens named (it said "107 tokens"
+    for a 64-token run after a 44-token prompt)."""
+    from kvtui.paths import asset_path
+
+    settings = (
+        replace(SETTINGS, engine=f"replay:{asset_path('tiny-cpu.jsonl')}")
+        if engine == "replay"
+        else LESSON
+    )
+    async with headless(settings, present=True, size=(100, 30)) as run:
+        await run.until_done()
+        await run.press(*["space"] * sum(PRESSES[:3]))  # node 3, all shown
+        await run.until_done()
+        slide = await run.until_shown()
+        token, held_now = slide.figures[0], slide.figures[1]
+        assert token.label == "A TOKEN"
+        assert token.caption.startswith(f"{how}: bytes held per row (K + V); the formula ")
+        assert token.caption.endswith(" agrees")
+        assert held_now.caption == f"{how}: {held or '16 rows = 1 prompt + 15 tokens'}"
+        text = run.text()
+        assert "tokens)" not in text  # the bar's rows are rows too
+        if engine == "replay":  # a recording's pool is its own, not one sized for the room
+            assert "this run's pool" in text and "sized for this room" not in text
