@@ -484,6 +484,21 @@ class DecoderEngine(TorchEngine):
         words = f"the first {ids.shape[1]:,} bytes of held-out Austen (assets/austen-heldout.txt)"
         return measure_quality(baseline, self.model, layout, ids, source=words).to_json()
 
+    def reopen(self, settings: RunSettings) -> DecoderEngine | None:
+        """This engine for another run in its process, the model kept and the pool opened anew
+        (`open_pool`: a budget resized in place, nothing loaded); None where that run's model
+        would differ (`MODEL_SETTINGS`): the caller opens a fresh engine."""
+        fixed = MODEL_SETTINGS | (frozenset() if self.byte_level else SHAPE_SETTINGS)
+        if any(getattr(settings, name) != getattr(self.settings, name) for name in fixed):
+            return None
+        args = (settings, self.model, self.spec, self.device, self.label)
+        engine = DecoderEngine(
+            *args, byte_level=self.byte_level, trained_positions=self.trained_positions
+        )
+        engine.dtype_source, engine.kv_heads_model = self.dtype_source, self.kv_heads_model
+        engine.baseline = self.baseline
+        return engine
+
     def cached(self, max_len: int, batch: int) -> CachedModel:
         pool, layout = self.pool, self.settings.layout
         if layout.paged_as_is:
@@ -514,6 +529,12 @@ class DecoderEngine(TorchEngine):
         self.model.drop_caches()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+MODEL_SETTINGS = frozenset({"engine", "device", "threads", "seed", "kv_heads"})
+"""What a loaded model is made with (the budget, length, sampling and layout are a run's own);
+`SHAPE_SETTINGS`: what a `shape:` model's random weights are made for, besides (`build_shape`)."""
+SHAPE_SETTINGS = frozenset({"tokens", "batch", "prompt", "lesson"})
 
 
 def open_torch_engine(
