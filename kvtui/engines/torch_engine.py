@@ -8,7 +8,7 @@ the KV bytes held, from the cache's tensors; on a GPU the device memory in use) 
 formula prices it at (kvtui.sim.work.step_cost: its FLOPs and bytes read), so that the two can
 disagree. kvtui's own decoder runs a batch (`--batch`) with its cache's blocks taken from one
 pool, which stops the batch where kvtui.sim.pool.KVPool says. Out of memory on a GPU ends the
-loop with "out of memory at N tokens", frees the cache, and the process goes on.
+loop with "device out of memory after token N", frees the cache, and the process goes on.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ class TorchEngine(ABC):
             )
         except Exception as exc:  # reported below, once the traceback no longer pins tensors
             if out_of_memory(exc):
-                stopped = f"out of memory at {P + done:,} tokens"
+                stopped = f"device out of memory after token {done:,}"
             else:  # whatever a model's forward raises ends this loop in one line, not a crash
                 failed = f"the {loop} loop failed at step {done + 1:,}: {error_line(exc)}"
         finally:
