@@ -118,8 +118,8 @@ settings of another run on its stdin (kvtui.run.process keeps it, model and all,
 
 class Commands:
     """The child's stdin, read on a thread of its own: `pause`, `resume` and `stop` go to the
-    current run's control; a line of settings (JSON) waits for `next_settings`; EOF (the parent
-    went away) stops the run and ends the waiting."""
+    current run's control; any other line is a run's settings (JSON), for `next_settings`; EOF
+    (the parent went away) stops the run and ends the waiting."""
 
     def __init__(self) -> None:
         self.control = RunControl()
@@ -130,15 +130,15 @@ class Commands:
     def _read(self) -> None:
         for line in sys.stdin:
             command = line.strip()
-            if command.startswith("{"):
-                self.control = RunControl()
-                self._settings.put((command, self.control))
-            elif command == "pause":
+            if command == "pause":
                 self.control.pause()
             elif command == "resume":
                 self.control.resume()
             elif command == "stop":
                 self.control.stop()
+            elif command:  # a run's settings (refused in one line where they do not parse)
+                self.control = RunControl()
+                self._settings.put((command, self.control))
         self.control.stop()
         self._settings.put(None)
 
