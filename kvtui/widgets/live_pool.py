@@ -110,6 +110,7 @@ def live_pool_bar(run: LiveRun) -> tuple[Bar, str | Sequence[str], str | Sequenc
         Part("free pool", live.free_bytes, "free", short="free"),
     ]
     total = started.device_memory_total_bytes
+    view = pool.capacity_bytes
     if total:  # a GPU, real or modelled: the pool shares it with the weights
         # a budget's bytes past its last whole block hold no row: not for KV
         rest = max(0, total - started.weights_bytes - pool.capacity_bytes + live.spare_bytes)
@@ -129,20 +130,23 @@ def live_pool_bar(run: LiveRun) -> tuple[Bar, str | Sequence[str], str | Sequenc
         view = bar_view(live)
         note = f"· weights {format_bytes(started.weights_bytes)} beside it"
         shown = Bar(tuple(kv), view, full=bool(live.full), note=note)
-        capacity = (
-            ["its KV pool"]
-            if view == pool.capacity_bytes
-            else [
-                f"the bar: the first {format_bytes(view)} of its KV pool, this run's room",
-                f"the bar: the pool's first {format_bytes(view)}",
-            ]
-        )
+        capacity = ["its KV pool"]
+    titles = [*(f"{title} · {c}" for c in capacity), title]
+    if view < pool.capacity_bytes:  # zoomed: every wording says so, the shortest too
+        v = format_bytes(view)
+        head = "REPLAY" if run.replayed else f"LIVE ({run.how})"
+        titles = [
+            f"{title} · the bar: the first {v} of its KV pool, this run's room",
+            f"{title} · the bar: the pool's first {v}",
+            f"{title} · bar: first {v}",
+            f"{head} · the bar: the KV pool's first {v}",
+        ]
     size = f"KV pool {format_bytes(pool.capacity_bytes)}"
     blocks = f"blocks of {pool.block_tokens}"
     cache = cache_words(live)
     return (
         shown,
-        [*(f"{title} · {c}" for c in capacity), title],
+        titles,
         [
             f"{size} ({live.source}) · {cache} · {blocks}",
             f"{size} · {cache} · {blocks}",

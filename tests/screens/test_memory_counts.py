@@ -131,3 +131,12 @@ async def test_the_budget_keys_are_on_the_screen_and_say_what_they_do():
         await wait_for(
             pilot, lambda: "Next run: 8 MiB holds 64 rows, 40 tokens fit: r." in words(app)
         )
+
+
+async def test_at_80x24_the_bar_still_says_it_spans_part_of_the_pool():
+    replay = RunSettings(engine=f"replay:{asset_path('tiny-cpu.jsonl')}", replay_speed=0)
+    app = make_app(replay, 3, probe=PROBE, engine_factory=ScriptedEngine.from_settings)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: done(app) and "Replayed:" in words(app))
+        await wait_for(pilot, lambda: "first 512 KiB" in bar(app).border_title)
+        assert "…" not in bar(app).border_title
