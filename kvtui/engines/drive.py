@@ -248,12 +248,10 @@ def _run_child(writer: EventWriter, warm: bool) -> int:
             except (json.JSONDecodeError, TypeError, ValueError) as exc:
                 emit(RunFailed(safe_text(f"bad run settings: {exc}", one_line=True)))
                 return 2
-            old, engine = engine, None
-            engine = (
-                open_engine(settings, progress)
-                if old is None
-                else reopen_engine(old, settings, progress)
-            )
+            if engine is not None:  # the last run's: kept where it can take these settings
+                engine = reopen_engine(engine, settings, progress)  # else closed and dropped
+            if engine is None:
+                engine = open_engine(settings, progress)
             for event in run_events(engine, settings, control, watch=True):
                 emit(event)
             writer.idle()

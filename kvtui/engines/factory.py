@@ -171,17 +171,17 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
 
 def reopen_engine(
     engine: StepSource, settings: RunSettings, progress: Progress | None = None
-) -> StepSource:
-    """The engine of another run in the process that ran `engine`: `engine`'s own `reopen`
-    where it has one and can take `settings` (a torch model kept, its KV pool resized: no load,
-    no restart), else a fresh `open_engine` once `engine` is closed. `EngineError` as
-    `open_engine`'s, the checks first."""
+) -> StepSource | None:
+    """`engine` for another run in its process, where it can take `settings` (its `reopen`: a
+    torch model kept, its KV pool resized: no load, no restart); else None, `engine` closed, for
+    the caller to drop before it opens a fresh one (two models never held at once). `EngineError`
+    as `open_engine`'s, the checks first."""
     check_run(settings)
     reopen = getattr(engine, "reopen", None)
     kept = reopen(settings) if reopen is not None else None
     engine.close()  # a kept model's engine hands its cache and hooks back; the model stays
     if kept is None:
-        return open_engine(settings, progress)
+        return None
     (progress or quiet)("the model is loaded: a new KV pool, no restart")
     return cast(StepSource, kept)
 

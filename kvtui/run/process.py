@@ -215,6 +215,8 @@ class Engines:
             if spare is not None and not (spare.alive and runs_torch(settings)):
                 spare.close()
                 spare = None
+            if not runs_torch(settings):  # a kept model is not held beside another engine
+                self.keep(None)
             engine = EngineProcess(settings, spare=spare, owner=self)
         with self._lock:
             self._open.append(engine)
@@ -257,8 +259,9 @@ class Engines:
         """Whether a child whose run is over is kept (not once `close` has begun: quitting)."""
         return not self._closed
 
-    def keep(self, child: WarmChild) -> None:
-        """Keep a torch run's idle child for the next torch run (the one kept before ends)."""
+    def keep(self, child: WarmChild | None) -> None:
+        """Keep a torch run's idle child for the next torch run (the one kept before ends;
+        None: end it, keeping none)."""
         with self._kept_ready:
             old, self._kept = self._kept, None if self._closed else child
             self._kept_ready.notify_all()
@@ -299,8 +302,7 @@ class Engines:
 
 
 RETIRE_WAIT_S = 2.0
-"""How long a starting torch run waits for the child of a run just stopped to go idle, to adopt
-it (model loaded) rather than start another: a step or two of any run on the CPU."""
+"""How long a starting torch run waits for a stopped run's child to go idle, to adopt it."""
 
 
 class EngineProcess:
@@ -319,8 +321,7 @@ class EngineProcess:
         self._owner = owner
         """The `Engines` that made it: `start` takes a kept child from it (where no spare was
         given), and `close` hands it back an idle one, model and all."""
-        self.keepable = owner is not None and runs_torch(settings)
-        """Whether its child is kept after its run (a torch engine's, from an `Engines`)."""
+        self.keepable = owner is not None and runs_torch(settings)  # kept after its run
         self._idle = threading.Event()
         """The child said its run is over and it waits for another (drive's IDLE_LINE)."""
         self._stopping = False
