@@ -176,7 +176,7 @@ def pool_words(
     two lines, for 80x24. Tokens, rows and slots as `LivePool` names them; where two are side
     by side, the relation between them is said."""
     pool, P = live.pool, live.prompt_tokens
-    said = HOW_WORDS.get(how, "Measured")
+    said = HOW_WORDS.get(how, how.capitalize() or "So far")
     budget = kv_budget if kv_budget is not None else pool.capacity_bytes
     B = batch
     changed = budget != pool.capacity_bytes or live.batch != B or length != live.run_tokens
