@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -110,17 +111,40 @@ def run_events(
 # --- the engine's own process --------------------------------------------------------------------
 
 
-def _read_commands(control: RunControl) -> None:
-    """Apply `pause` / `resume` / `stop` lines from stdin; EOF (the parent went away) stops."""
-    for line in sys.stdin:
-        command = line.strip()
-        if command == "pause":
-            control.pause()
-        elif command == "resume":
-            control.resume()
-        elif command == "stop":
-            control.stop()
-    control.stop()
+IDLE_LINE = '{"idle":true}'
+"""What the engine's process writes once a run is over, on a line of its own: it waits for the
+settings of another run on its stdin (kvtui.run.process keeps it, model and all, for the next)."""
+
+
+class Commands:
+    """The child's stdin, read on a thread of its own: `pause`, `resume` and `stop` go to the
+    current run's control; any other line is a run's settings (JSON), for `next_settings`; EOF
+    (the parent went away) stops the run and ends the waiting."""
+
+    def __init__(self) -> None:
+        self.control = RunControl()
+        """The control of the run whose settings came last: later commands are its."""
+        self._settings: queue.Queue[tuple[str, RunControl] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in sys.stdin:
+            command = line.strip()
+            if command == "pause":
+                self.control.pause()
+            elif command == "resume":
+                self.control.resume()
+            elif command == "stop":
+                self.control.stop()
+            elif command:  # a run's settings (refused in one line where they do not parse)
+                self.control = RunControl()
+                self._settings.put((command, self.control))
+        self.control.stop()
+        self._settings.put(None)
+
+    def next_settings(self) -> tuple[str, RunControl] | None:
+        """The next run's settings line and its control, or None once stdin ends."""
+        return self._settings.get()
 
 
 def _warm_up(progress: Callable[[str], None]) -> None:
@@ -171,6 +195,11 @@ class EventWriter:
         self._pending.clear()
         self._stream.flush()
 
+    def idle(self) -> None:
+        """Say the run is over and the process waits for another (IDLE_LINE), at once."""
+        self._stream.write((IDLE_LINE + "\n").encode())
+        self.flush()
+
     def close(self) -> None:
         self._closed.set()
         self._pending.set()  # wakes the flusher to end
@@ -191,31 +220,41 @@ def child_main(warm: bool = False) -> int:
     writer = EventWriter(sys.stdout.buffer)
     sys.stdout = sys.stderr  # anything a library prints must not corrupt the event stream
     try:
-        return _run_child(writer.write, warm)
+        return _run_child(writer, warm)
     finally:
         writer.close()
 
 
-def _run_child(emit: Callable[[Event], None], warm: bool) -> int:
-    from kvtui.engines.factory import open_engine
+def _run_child(writer: EventWriter, warm: bool) -> int:
+    """Runs, one after another, until stdin ends: each run's settings on a line, its events out,
+    then IDLE_LINE. An engine that can (`reopen`: a torch model kept, its KV pool resized) runs
+    the next settings without loading again."""
+    from kvtui.engines.factory import open_engine, reopen_engine
+
+    emit = writer.write
 
     def progress(phrase: str) -> None:
         emit(RunProgress(safe_text(phrase, one_line=True)[:MAX_PROGRESS_CHARS]))
 
     if warm:
         _warm_up(progress)
+    commands = Commands()
+    engine: StepSource | None = None
     try:
-        settings = RunSettings.from_json(json.loads(sys.stdin.readline()))
-    except (json.JSONDecodeError, TypeError, ValueError) as exc:
-        emit(RunFailed(safe_text(f"bad run settings: {exc}", one_line=True)))
-        return 2
-    control = RunControl()
-    threading.Thread(target=_read_commands, args=(control,), daemon=True).start()
-    engine = None
-    try:
-        engine = open_engine(settings, progress)
-        for event in run_events(engine, settings, control, watch=True):
-            emit(event)
+        while (run := commands.next_settings()) is not None:
+            line, control = run
+            try:
+                settings = RunSettings.from_json(json.loads(line))
+            except (json.JSONDecodeError, TypeError, ValueError) as exc:
+                emit(RunFailed(safe_text(f"bad run settings: {exc}", one_line=True)))
+                return 2
+            if engine is not None:  # the last run's: kept where it can take these settings
+                engine = reopen_engine(engine, settings, progress)  # else closed and dropped
+            if engine is None:
+                engine = open_engine(settings, progress)
+            for event in run_events(engine, settings, control, watch=True):
+                emit(event)
+            writer.idle()
     except EngineError as exc:
         emit(RunFailed(safe_text(str(exc), one_line=True)))  # may quote a file
         return 2

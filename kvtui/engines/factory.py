@@ -21,6 +21,7 @@ import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 from kvtui.engines.capabilities import CAPABILITIES, NOTHING, OWN_ENGINES, Capabilities, EngineKind
 from kvtui.engines.model_files import check_model_files, check_positions, read_model_config
@@ -175,6 +176,23 @@ def open_engine(settings: RunSettings, progress: Progress | None = None) -> Step
 
     assert spec.path is not None  # parse_engine sets it for hf:
     return open_hf_engine(settings, spec.path, say)
+
+
+def reopen_engine(
+    engine: StepSource, settings: RunSettings, progress: Progress | None = None
+) -> StepSource | None:
+    """`engine` for another run in its process, where it can take `settings` (its `reopen`: a
+    torch model kept, its KV pool resized: no load, no restart); else None, `engine` closed, for
+    the caller to drop before it opens a fresh one (two models never held at once). `EngineError`
+    as `open_engine`'s, the checks first."""
+    check_run(settings)
+    reopen = getattr(engine, "reopen", None)
+    kept = reopen(settings) if reopen is not None else None
+    engine.close()  # a kept model's engine hands its cache and hooks back; the model stays
+    if kept is None:
+        return None
+    (progress or quiet)("the model is loaded: a new KV pool, no restart")
+    return cast(StepSource, kept)
 
 
 def import_torch() -> None:

@@ -8,7 +8,7 @@ the KV bytes held, from the cache's tensors; on a GPU the device memory in use) 
 formula prices it at (kvtui.sim.work.step_cost: its FLOPs and bytes read), so that the two can
 disagree. kvtui's own decoder runs a batch (`--batch`) with its cache's blocks taken from one
 pool, which stops the batch where kvtui.sim.pool.KVPool says. Out of memory on a GPU ends the
-loop with "out of memory at N tokens", frees the cache, and the process goes on.
+loop with "device out of memory after token N", frees the cache, and the process goes on.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ class TorchEngine(ABC):
             )
         except Exception as exc:  # reported below, once the traceback no longer pins tensors
             if out_of_memory(exc):
-                stopped = f"out of memory at {P + done:,} tokens"
+                stopped = f"device out of memory after token {done:,}"
             else:  # whatever a model's forward raises ends this loop in one line, not a crash
                 failed = f"the {loop} loop failed at step {done + 1:,}: {error_line(exc)}"
         finally:
@@ -484,6 +484,21 @@ class DecoderEngine(TorchEngine):
         words = f"the first {ids.shape[1]:,} bytes of held-out Austen (assets/austen-heldout.txt)"
         return measure_quality(baseline, self.model, layout, ids, source=words).to_json()
 
+    def reopen(self, settings: RunSettings) -> DecoderEngine | None:
+        """This engine for another run in its process, the model kept and the pool opened anew
+        (`open_pool`: a budget resized in place, nothing loaded); None where that run's model
+        would differ (`MODEL_SETTINGS`): the caller opens a fresh engine."""
+        fixed = MODEL_SETTINGS | (frozenset() if self.byte_level else SHAPE_SETTINGS)
+        if any(getattr(settings, name) != getattr(self.settings, name) for name in fixed):
+            return None
+        args = (settings, self.model, self.spec, self.device, self.label)
+        engine = DecoderEngine(
+            *args, byte_level=self.byte_level, trained_positions=self.trained_positions
+        )
+        engine.dtype_source, engine.kv_heads_model = self.dtype_source, self.kv_heads_model
+        engine.baseline = self.baseline
+        return engine
+
     def cached(self, max_len: int, batch: int) -> CachedModel:
         pool, layout = self.pool, self.settings.layout
         if layout.paged_as_is:
@@ -514,6 +529,12 @@ class DecoderEngine(TorchEngine):
         self.model.drop_caches()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+MODEL_SETTINGS = frozenset({"engine", "device", "threads", "seed", "kv_heads"})
+"""What a loaded model is made with (the budget, length, sampling and layout are a run's own);
+`SHAPE_SETTINGS`: what a `shape:` model's random weights are made for, besides (`build_shape`)."""
+SHAPE_SETTINGS = frozenset({"tokens", "batch", "prompt", "lesson"})
 
 
 def open_torch_engine(

@@ -209,14 +209,32 @@ class LivePool:
     freed: bool = False
     """The cached loop has ended and handed its blocks back (the figures are its last)."""
 
+    layout: KVLayout = KVLayout()
+    """How the cached loop keeps its cache (kvtui.sim.tricks): where it stops depends on it."""
+    model_dtype: str = ""
+    """The dtype the model computes in (the run's `RunStarted.dtype`): an `auto` cache's."""
+
+    # The one vocabulary of the pool, every screen's: *tokens* are what the run generated
+    # (`steps`, `run_tokens`); *positions* are the sequence's, prompt + tokens; *rows* are the
+    # positions whose keys and values the cache holds, P + t - 1 after t tokens (the newest
+    # token's row is written by the step after it); *slots* and *blocks* are the pool's room.
+
     @property
     def blocks(self) -> int:
         return self.allocated_bytes // self.pool.block_bytes
 
     @property
-    def filled_tokens(self) -> int:
-        """Positions cached per sequence."""
+    def rows(self) -> int:
+        """Rows the cache holds now, per sequence (measured: the bytes its tensors hold)."""
         return self.filled_bytes // (self.pool.kv_bytes_per_token * self.batch)
+
+    filled_tokens = rows  # the name it had: rows cached per sequence
+
+    @property
+    def run_rows(self) -> int:
+        """Rows the whole run caches per sequence if nothing stops it: P + T - 1 (a plain
+        layout's; a window keeps fewer)."""
+        return self.prompt_tokens + self.run_tokens - 1
 
     @property
     def tail_bytes(self) -> int:
@@ -225,10 +243,22 @@ class LivePool:
 
     @property
     def free_bytes(self) -> int:
-        return self.pool.capacity_bytes - self.allocated_bytes
+        """The free pool: whole blocks not taken."""
+        return (self.pool.blocks * self.pool.block_bytes) - self.allocated_bytes
 
-    layout: KVLayout = KVLayout()
-    """How the cached loop keeps its cache (kvtui.sim.tricks): where it stops depends on it."""
+    @property
+    def spare_bytes(self) -> int:
+        """The budget's bytes past its last whole block: too few for a block, never used."""
+        return self.pool.capacity_bytes - self.pool.blocks * self.pool.block_bytes
+
+    @property
+    def cache_dtype(self) -> str:
+        """What the cache keeps each key and value in: the layout's (int8, fp8) or, for `auto`,
+        the model's dtype, in the catalog's name where it has one."""
+        try:
+            return self.layout.storage_dtype(self.model_dtype)
+        except ValueError:  # a dtype the catalog does not name (a record's, say): as it is
+            return self.model_dtype
 
     @property
     def tokens_before_full(self) -> int | None:
@@ -493,6 +523,7 @@ class LiveRun:
             else "",
             freed=finished is not None,
             layout=started.layout,
+            model_dtype=started.dtype,
         )
 
     def piece(self, loop: Loop, position: int) -> str | None:

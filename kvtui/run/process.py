@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any, Protocol
 
+from kvtui.engines.drive import IDLE_LINE
 from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import (
     Event,
@@ -126,12 +127,13 @@ def spawn_child(main: str) -> tuple[subprocess.Popen[str], IO[str]]:
 
 
 class WarmChild:
-    """An engine's child process started ahead of its run: it imports torch and readies the FLOP
-    counter (seconds of a torch engine's start) while nothing runs, then waits for settings on
-    its stdin. `EngineProcess` adopts it for the next run."""
+    """An engine's child process ready for a run: started ahead (it imports torch and readies
+    the FLOP counter, seconds of a torch engine's start, while nothing runs), or kept after a
+    run with its model loaded (`proc` and `stderr` given: kvtui.engines.drive's IDLE_LINE); it
+    waits for settings on its stdin. `EngineProcess` adopts it for the next run."""
 
-    def __init__(self) -> None:
-        self.proc, self.stderr = spawn_child(WARM_ENGINE_MAIN)
+    def __init__(self, kept: tuple[subprocess.Popen[str], IO[str]] | None = None) -> None:
+        self.proc, self.stderr = kept or spawn_child(WARM_ENGINE_MAIN)
 
     @property
     def alive(self) -> bool:
@@ -180,11 +182,18 @@ class Engines:
 
     Between runs, `prepare` starts a spare child for the next torch run to adopt, so that a torch
     engine after `l` or `r` skips importing torch (seconds of dead air). A spare is started only
-    between runs, never beside a run's timed steps."""
+    between runs, never beside a run's timed steps. A torch run's own child, once its run is over
+    or stopped, is kept (`keep`) for the next torch run, which adopts it first: its model loaded,
+    a run that changes only the budget, length, batch or sampling starts at once (the engine
+    resizes its pool in place: kvtui.engines.torch_engine.DecoderEngine.reopen)."""
 
     def __init__(self, make: EngineFactory | None = None) -> None:
         self._make = make
         """What makes each engine; None: an `EngineProcess`, adopting the spare."""
+        self._kept: WarmChild | None = None
+        """The last torch run's child, idle, its model loaded: the next torch run's first."""
+        self._kept_ready = threading.Condition()
+        self._closed = False
         self._spare: WarmChild | None = None
         self._open: list[EngineHandle] = []
         """Engines made and not yet closed by their reader."""
@@ -199,12 +208,16 @@ class Engines:
         """The engine of a run of `settings`, made, not started (its reader starts it)."""
         if self._make is not None:
             engine = self._make(settings)
+        elif runs_torch(settings) and (self._kept is not None or self._retiring()):
+            engine = EngineProcess(settings, owner=self)  # it takes the kept child at its start
         else:
             spare, self._spare = self._spare, None
             if spare is not None and not (spare.alive and runs_torch(settings)):
                 spare.close()
                 spare = None
-            engine = EngineProcess(settings, spare=spare)
+            if not runs_torch(settings):  # a kept model is not held beside another engine
+                self.keep(None)
+            engine = EngineProcess(settings, spare=spare, owner=self)
         with self._lock:
             self._open.append(engine)
         return engine
@@ -228,29 +241,90 @@ class Engines:
                     self._open.remove(engine)
 
     def prepare(self, settings: RunSettings) -> None:
-        """Start a spare for the next run, if `settings` name a torch engine and none is ready
-        (engines of their own `make` take none)."""
-        if self._make is None and self._spare is None and runs_torch(settings):
+        """Start a spare for the next run, if `settings` name a torch engine and none is ready:
+        no spare, no kept child and no torch run's child about to be kept (engines of their own
+        `make` take none)."""
+        if self._make is not None or self._spare is not None or not runs_torch(settings):
+            return
+        if self._kept is None and not self._retiring():
             self._spare = WarmChild()
 
-    def close(self, timeout: float = 1.0) -> None:
-        """End every engine still open, and the spare (quitting)."""
+    def _retiring(self) -> bool:
+        """Whether a torch run's child is open and about to be kept (its run over or stopped)."""
+        with self._lock:
+            return any(isinstance(e, EngineProcess) and e.retiring for e in self._open)
+
+    @property
+    def keeping(self) -> bool:
+        """Whether a child whose run is over is kept (not once `close` has begun: quitting)."""
+        return not self._closed
+
+    def keep(self, child: WarmChild | None) -> None:
+        """Keep a torch run's idle child for the next torch run (the one kept before ends;
+        None: end it, keeping none)."""
+        with self._kept_ready:
+            old, self._kept = self._kept, None if self._closed else child
+            self._kept_ready.notify_all()
+        for unused in (old, child if self._closed else None):
+            if unused is not None:
+                unused.close()
+
+    def take(self, settings: RunSettings) -> WarmChild | None:
+        """The child a starting run adopts: the kept one (waiting up to RETIRE_WAIT_S for one a
+        stopped run is handing back), else the spare; None for a run that is no torch's."""
+        if not runs_torch(settings):
+            return None
+        with self._kept_ready:
+            self._kept_ready.wait_for(
+                lambda: self._kept is not None or not self._retiring(), RETIRE_WAIT_S
+            )
+            kept, self._kept = self._kept, None
+        if kept is not None and kept.alive:
+            return kept
+        if kept is not None:
+            kept.close()
         spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.close()
+        return spare
+
+    def close(self, timeout: float = 1.0) -> None:
+        """End every engine still open, the kept child and the spare (quitting)."""
+        self._closed = True
+        with self._kept_ready:
+            kept, self._kept = self._kept, None
+        spare, self._spare = self._spare, None
+        for child in (kept, spare):
+            if child is not None:
+                child.close()
         with self._lock:
             engines, self._open = self._open, []
         for engine in engines:
             engine.close(timeout=timeout)
 
 
+RETIRE_WAIT_S = 2.0
+"""How long a starting torch run waits for a stopped run's child to go idle, to adopt it."""
+
+
 class EngineProcess:
     """A run in a child process: start it, read its events, pause, resume, stop, close."""
 
-    def __init__(self, settings: RunSettings, *, spare: WarmChild | None = None) -> None:
+    def __init__(
+        self,
+        settings: RunSettings,
+        *,
+        spare: WarmChild | None = None,
+        owner: Engines | None = None,
+    ) -> None:
         self.settings = settings
         self._spare = spare
         """A child started ahead, warm, for `start` to adopt instead of starting one."""
+        self._owner = owner
+        """The `Engines` that made it: `start` takes a kept child from it (where no spare was
+        given), and `close` hands it back an idle one, model and all."""
+        self.keepable = owner is not None and runs_torch(settings)  # kept after its run
+        self._idle = threading.Event()
+        """The child said its run is over and it waits for another (drive's IDLE_LINE)."""
+        self._stopping = False
         self._proc: subprocess.Popen[str] | None = None
         self._stderr: IO[str] | None = None
         """The child's stderr, for the reason it died: made with the child, closed with it (an
@@ -259,6 +333,8 @@ class EngineProcess:
 
     def start(self) -> None:
         spare, self._spare = self._spare, None
+        if spare is None and self._owner is not None:
+            spare = self._owner.take(self.settings)
         if spare is not None and spare.alive:
             self._proc, self._stderr = spare.proc, spare.stderr
         else:
@@ -295,7 +371,13 @@ class EngineProcess:
         self._send("resume")
 
     def stop(self) -> None:
+        self._stopping = True
         self._send("stop")
+
+    @property
+    def retiring(self) -> bool:
+        """A torch run's child, alive, whose run is over or was stopped: about to be kept."""
+        return self.keepable and self.alive and (self._stopping or self._idle.is_set())
 
     def events(self) -> Iterator[Event]:
         """Events as the child writes them; ends when it exits. A child that dies without
@@ -304,6 +386,9 @@ class EngineProcess:
             raise RuntimeError("start() first")
         finished = False
         for line in self._proc.stdout:
+            if line.strip() == IDLE_LINE:  # the run is over; the child waits for another
+                self._idle.set()
+                return
             try:
                 data = json.loads(line)
             except json.JSONDecodeError:
@@ -339,6 +424,16 @@ class EngineProcess:
         proc = self._proc
         if proc is None:
             return
+        owner = self._owner
+        if self.keepable and owner is not None and owner.keeping and proc.poll() is None:
+            if not self._idle.is_set():  # a run stopped: its reader sees the child go idle
+                self.stop()
+                self._idle.wait(timeout)
+            stderr = self._stderr
+            if self._idle.is_set() and proc.poll() is None and owner.keeping and stderr:
+                self._proc = None
+                owner.keep(WarmChild((proc, stderr)))
+                return
         if proc.poll() is None:
             self.stop()
             with contextlib.suppress(OSError, ValueError):

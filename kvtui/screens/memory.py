@@ -53,7 +53,14 @@ from kvtui.sim.pool import step_budget
 from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, capacity_ticks, nice_ticks, sample_points
 from kvtui.widgets.fleet import FleetTable
-from kvtui.widgets.live_pool import NO_POOL_WORDS, live_pool_bar, live_words, pool_words
+from kvtui.widgets.live_pool import (
+    NO_POOL_WORDS,
+    budget_refusal,
+    budget_runs,
+    live_pool_bar,
+    live_words,
+    pool_words,
+)
 from kvtui.widgets.plain import plain
 from kvtui.widgets.served import ServedCache
 from kvtui.widgets.vram import VramBar, whatif_bar
@@ -267,27 +274,31 @@ class MemoryScreen(LessonScreen):
         """The budget keys: a smaller (-1) or larger (1) KV pool for the next run, or the
         engine's default (0); `r` runs it. Budgets are powers of two of bytes (see
         `kvtui.sim.pool.step_budget`)."""
-        live = self.run.pool()
-        if live is None:
-            self.notify(
-                "The running engine has no KV pool to budget (hf: keeps transformers' own cache)"
-                if self.run.started
-                else "The engine has not started yet",
-                timeout=4,
-            )
+        live, can = self.run.pool(), self.run.can
+        if live is None or not can.own_cache:
+            self.notify(budget_refusal(self.run), timeout=4)
             return
+        runs = budget_runs(can)
         if direction == 0:
             self._next_run.kv_budget = None
-            self.notify("Next run: the engine's default KV pool (press r)", timeout=3)
+            self.notify(f"Next run: the engine's default KV pool. {runs}", timeout=3)
             return
         pool = live.pool
         current = self.kv_budget if self.kv_budget is not None else pool.capacity_bytes
-        positions = live.prompt_tokens + self.length - 1
-        need = pool.blocks_for(positions, self.batch_next) * pool.block_bytes
+        rows = live.prompt_tokens + self.length - 1  # the whole run's, per sequence
+        need = pool.blocks_for(rows, self.batch_next) * pool.block_bytes
         budget = step_budget(current, need, direction, smallest=pool.block_bytes)
         if self._default_pool is not None:
             budget = min(budget, self._default_pool)
         self._next_run.kv_budget = budget
+        if direction > 0 and budget <= current:
+            self.notify(f"{format_bytes(current)}: the engine's own pool, the keys' largest")
+        if direction < 0 and budget < current // 2:  # not a halving: say why it lands there
+            self.notify(
+                f"Next run: {format_bytes(budget)}, the smallest power of two that holds this "
+                f"run's {format_int(rows)} rows; [ halves it, ] doubles it. {runs}",
+                timeout=6,
+            )
 
     def _follow_next_run(self, run: LiveRun) -> None:
         """What the budget keys and f follow of the run: the pool an engine took without a
@@ -561,7 +572,8 @@ class MemoryScreen(LessonScreen):
             status.update(
                 pool_words(
                     live,
-                    replayed=self.run.replayed,
+                    how=self.run.how,
+                    budget_keys=self.run.can.own_cache,
                     kv_budget=self.kv_budget,
                     batch=self.batch_next,
                     length=self.length,

@@ -210,18 +210,21 @@ class KVPool:
         return max(0, slots - prompt_tokens + 1)
 
     def full_message(self, prompt_tokens: int, batch: int = 1) -> str:
-        """What a run that stopped on this pool says, in one line."""
+        """What a run that stopped on this pool says, in one line: the token it stopped after
+        (tokens generated, as the run counts them) and the rows its slots hold (the prompt's
+        and the tokens' before the last: `tokens_before_full`)."""
         slots = self.tokens_per_sequence(batch)
         per = f" per sequence ({batch} decoded together)" if batch > 1 else ""
         head = (
-            f"the KV cache is full at token {slots:,}{per}"
+            f"the KV cache is full after token {self.tokens_before_full(prompt_tokens, batch):,}"
+            f"{per}"
             if prompt_tokens <= slots
             else f"the KV cache cannot hold the prompt's {prompt_tokens:,} tokens{per}"
         )
         return (
-            f"{head}: {format_bytes(self.capacity_bytes)} holds {slots:,} tokens of "
+            f"{head}: {format_bytes(self.capacity_bytes)} holds {slots:,} rows of "
             f"{format_int(self.kv_bytes_per_token)} bytes of keys and values each "
-            f"({self.blocks // batch:,} blocks of {self.block_tokens})"
+            f"({self.blocks // batch:,} blocks of {self.block_tokens} slots)"
         )
 
     def to_json(self) -> dict[str, Any]:

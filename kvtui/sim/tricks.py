@@ -271,16 +271,16 @@ def full_message(pool: KVPool, layout: KVLayout, prompt_tokens: int, batch: int 
     ):
         return pool.full_message(prompt_tokens, batch)
     stop = tokens_before_full(pool, layout, prompt_tokens, batch)
-    at = "" if stop is None else f" at token {format_int(prompt_tokens + stop - 1)}"
+    after = "" if stop is None else f" after token {format_int(stop)}"
     per = f" per sequence ({batch} decoded together)" if batch > 1 else ""
     head = (
         f"the KV cache cannot hold the prompt's {format_int(prompt_tokens)} tokens{per}"
         if stop == 0
-        else f"the KV cache is full{at}{per}"
+        else f"the KV cache is full{after}{per}"
     )
     return (
         f"{head}: {format_bytes(pool.capacity_bytes)} holds "
-        f"{format_int(pool.blocks)} blocks of {pool.block_tokens} tokens of "
+        f"{format_int(pool.blocks)} blocks of {pool.block_tokens} rows of "
         f"{format_int(pool.kv_bytes_per_token)} bytes ({layout.words()})"
     )
 

@@ -126,7 +126,7 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
     finished = events[-1]
     assert isinstance(finished, RunFinished) and finished.reason == "out_of_memory"
     assert finished.steps == 10
-    assert finished.message == f"out of memory at {events[0].prompt_tokens + 10:,} tokens"
+    assert finished.message == "device out of memory after token 10"
     assert engine.model.kv is None
     # the process goes on: the same engine runs again
     monkeypatch.setattr(torch_engine, "cached_loop", real_loop)

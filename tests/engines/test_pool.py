@@ -118,7 +118,8 @@ def test_the_cached_loop_stops_at_the_token_the_pool_predicts(budget, block, pro
     expected = pool.tokens_before_full(P)
     assert isinstance(finished, RunFinished) and finished.reason == "out_of_memory"
     assert finished.steps == len(steps) == expected
-    assert f"full at token {pool.tokens:,}" in finished.message
+    assert f"full after token {expected:,}" in finished.message
+    assert f"holds {pool.tokens:,} rows" in finished.message
     assert engine.model.kv is None  # the cache was freed
     last = steps[-1]
     assert last.kv_bytes == kv_bytes(engine.spec, pool.tokens, 1, "fp32")  # every slot filled

@@ -77,7 +77,8 @@ def test_sim_run_stops_out_of_memory_where_the_cache_fills_the_gpu():
     last, finished = steps_of(events, "cached")[-1], events[-1]
     assert finished.reason == "out_of_memory"
     assert finished.steps == served.kv_capacity_tokens - P + 1
-    assert f"full at token {served.kv_capacity_tokens:,}" in finished.message
+    assert f"full after token {finished.steps:,}" in finished.message
+    assert f"holds {served.kv_capacity_tokens:,} rows" in finished.message
     assert last.kv_bytes == kv_bytes(spec, served.kv_capacity_tokens)  # every slot filled
     assert last.kv_bytes_allocated == served.kv_blocks * served.block_bytes_per_gpu
 

@@ -347,7 +347,7 @@ def test_bench_reports_the_pool_and_where_the_cached_loop_stopped(capsys):
     assert r["kv_capacity_bytes"] == 96 * 1024 and r["kv_block_tokens"] == 16
     assert r["cached"]["finished"]["reason"] == "out_of_memory"
     assert r["cached"]["finished"]["steps"] == 32 and r["cached"]["tokens"] == 32
-    assert "full at token 32" in r["cached"]["finished"]["message"]
+    assert "full after token 32" in r["cached"]["finished"]["message"]
     assert r["uncached"]["finished"] == {"reason": "done", "steps": 40, "message": ""}
     assert r["kv_blocks_allocated"] == 2 and r["kv_bytes_allocated"] == 96 * 1024
     assert r["kv_bytes_filled"] == r["kv_bytes_formula"] == 32 * 3072
@@ -358,7 +358,7 @@ def test_bench_reports_the_pool_and_where_the_cached_loop_stopped(capsys):
     )
     table = capsys.readouterr().out
     assert "KV pool: 96 KiB (--kv-budget), blocks of 16 tokens" in table
-    assert "96 KiB allocated (2 blocks)" in table and "full at token 32" in table
+    assert "96 KiB allocated (2 blocks)" in table and "full after token 32" in table
 
 
 def test_a_run_the_pool_stopped_prints_every_count_over_the_same_tokens(capsys):

@@ -71,7 +71,7 @@ ESSENTIALS = {
     3: (
         "3 · The cache grows",
         "LIVE (modelled): llama-3.1-8b on sim: h100",
-        "Holds 459,088 tokens",
+        "459,088 slots",
         "WHAT-IF (modelled): Llama 3.1 8B (bf16) on",
         "KV CACHE",
         "MAX CONTEXT",

@@ -57,12 +57,14 @@ async def test_a_small_budget_stops_the_run_red_and_a_larger_one_runs_again():
         assert bar.has_class("-overflow")
         assert "KV cache full" in screen_text(app).splitlines()[0]  # the header says it stopped
         text = words(app)
-        assert "Stopped: the KV cache is full at token 32" in text
-        assert "Measured: 32 tokens, predicted 32" in text
+        assert "Stopped: the KV cache is full after token 32" in text
+        assert "Modelled: 32 tokens = 32 rows - 1 prompt + 1, predicted 32" in text
         assert "4 MiB (--kv-budget)" in text
         await pilot.press("right_square_bracket")  # 8 MiB: the 64 tokens' 64 positions
         assert app.kv_budget == 8 << 20
-        await wait_for(pilot, lambda: "Next run: 8 MiB holds 64, 64 tokens fit: r." in words(app))
+        await wait_for(
+            pilot, lambda: "Next run: 8 MiB holds 64 rows, 64 tokens fit: r." in words(app)
+        )
         await pilot.press("r")
         await wait_for(pilot, lambda: finished(app) and app.live.started is not None)
         assert app.live.loop("cached").steps == 64
@@ -95,17 +97,19 @@ async def test_the_live_bar_counts_weights_blocks_slots_and_the_free_pool():
     """Filled + the last block's tail + free = the pool; the parts are the engine's own."""
     app = sim_app(replace(SIM, tokens=40))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: finished(app) and "blocks taken" in words(app))
+        await wait_for(pilot, lambda: finished(app) and "blocks" in words(app))
         live = app.live.pool()
         assert live.filled_bytes == 40 * PER_TOKEN  # positions 0..39 cached after 40 steps
         assert live.allocated_bytes == 3 * 16 * PER_TOKEN and live.blocks == 3
         assert live.tail_bytes == 8 * PER_TOKEN
-        assert live.filled_bytes + live.tail_bytes + live.free_bytes == live.pool.capacity_bytes
+        whole = live.filled_bytes + live.tail_bytes + live.free_bytes + live.spare_bytes
+        assert whole == live.pool.capacity_bytes
         parts = {p.name: p.bytes for p in app.screen.query_one("#live-bar", VramBar).bar.parts}
         assert parts["KV filled"] == live.filled_bytes and parts["block tail"] == live.tail_bytes
         assert parts["weights"] == app.live.started.weights_bytes
         text = words(app)
-        assert "3 of" in text and "blocks taken" in text and "this run's 41 fit" in text
+        assert "40 rows = 1 prompt + 40 tokens - 1, in 3 of" in text
+        assert "the run's 40 rows fit" in text
 
 
 async def test_the_what_if_starts_from_the_running_model_and_is_labelled():
@@ -215,7 +219,7 @@ async def test_a_batch_that_runs_out_is_predicted_for_the_batch_and_tiny_budgets
         # the status is laid out again for its new height a frame after it changes: wait for it
         await wait_for(pilot, lambda: finished(app) and "predicted 32" in words(app))
         assert app.live.loop("cached").steps == 32
-        assert "Measured: 32 tokens, predicted 32" in words(app)
+        assert "Modelled: 32 tokens = 32 rows - 1 prompt + 1, predicted 32" in words(app)
     app = sim_app(replace(SIM, kv_budget_bytes=1))  # below one block: nothing fits
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: finished(app))
