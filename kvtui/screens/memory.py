@@ -29,12 +29,11 @@ from kvtui.commands import BudgetCommands
 from kvtui.engines.capabilities import OWN_ENGINES
 from kvtui.engines.factory import parse_engine
 from kvtui.errors import EngineError
-from kvtui.format import format_bytes, format_int, format_percent, format_tick, safe_text
+from kvtui.format import format_bytes, format_int, format_percent, safe_text
 from kvtui.run.live import LiveRun
 from kvtui.screens.base import LessonScreen
 from kvtui.sim.budget import LESSON_BUDGET, Budget, budget, vram_split
 from kvtui.sim.catalog import (
-    GIB,
     ConfigError,
     GPUSpec,
     ModelSpec,
@@ -47,11 +46,9 @@ from kvtui.sim.catalog import (
     serving_dtypes,
 )
 from kvtui.sim.hf_config import model_from_hf_config
-from kvtui.sim.memory import kv_bytes
-from kvtui.sim.parallel import shard
 from kvtui.sim.pool import step_budget
 from kvtui.widgets.cards import StatCard
-from kvtui.widgets.chart import Caption, Chart, capacity_ticks, nice_ticks, sample_points
+from kvtui.widgets.chart import Caption, Chart
 from kvtui.widgets.fleet import FleetTable
 from kvtui.widgets.live_pool import (
     NO_POOL_WORDS,
@@ -63,7 +60,7 @@ from kvtui.widgets.live_pool import (
 )
 from kvtui.widgets.plain import plain
 from kvtui.widgets.served import ServedCache
-from kvtui.widgets.vram import VramBar, whatif_bar
+from kvtui.widgets.vram import VramBar, memory_curve, whatif_bar
 
 if TYPE_CHECKING:
     from textual.timer import Timer
@@ -583,22 +580,11 @@ class MemoryScreen(LessonScreen):
             status.set_class(bool(live.full), "-bad")
 
     def _draw_memory(self, plt: Plot, points: int) -> None:
-        chart = self.query_one("#memory-chart", Chart)
-        b = self.budget()
-        spec = self.model_spec()
-        share = shard(spec, b.tp)  # one GPU's part, as every what-if figure is
-        fixed = b.weights_bytes_per_gpu + b.reserve_bytes
-        longest = min(b.max_context_tokens or self.context, spec.max_context)
-        right = max(self.context, longest) * 1.25
-        xs = sample_points(int(right), points, first=0)
-        ys = [(fixed + kv_bytes(share, x, b.batch, b.kv_dtype)) / GIB for x in xs]
-        color = chart.colour("memory" if b.fits else "overflow")
-        plt.plot(xs, ys, color=color, marker="braille")
-        plt.hline(b.vram_bytes / GIB, color=chart.colour("capacity"))
-        plt.vline(self.context, color=chart.colour("marker"))
-        top = max(ys[-1], b.vram_bytes / GIB) * 1.08
-        plt.xlim(0, right)
-        plt.ylim(0, top)
-        xt = nice_ticks(right, 4)
-        plt.xticks(xt, [format_tick(t) for t in xt])
-        plt.yticks(*capacity_ticks(top, b.vram_bytes / GIB, chart.rows))
+        memory_curve(
+            plt,
+            self.query_one("#memory-chart", Chart),
+            self.budget(),
+            self.model_spec(),
+            self.context,
+            points,
+        )

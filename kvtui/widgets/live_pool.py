@@ -23,7 +23,8 @@ from kvtui.format import (
     format_rate,
     safe_text,
 )
-from kvtui.run.live import LivePool, LiveRun
+from kvtui.run.live import LiveRun
+from kvtui.run.pool import LivePool
 from kvtui.sim.tricks import tokens_before_full
 from kvtui.widgets.plain import plain
 from kvtui.widgets.vram import Bar, Part

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from kvtui.engines.protocol import Loop
 from kvtui.format import format_bytes, format_count, format_percent, format_ratio
-from kvtui.run.live import LivePool, LiveRun
+from kvtui.run.live import LiveRun
+from kvtui.run.pool import LivePool
 from kvtui.sim.budget import LESSON_BUDGET, Budget, budget
 from kvtui.sim.catalog import get_gpu, get_model
 

@@ -11,10 +11,14 @@ from rich.text import Text
 from textual.color import Color
 from textual.reactive import reactive
 from textual.widget import Widget
+from textual_plotext.plot import Plot
 
-from kvtui.format import format_bytes
-from kvtui.sim.budget import VramSplit
-from kvtui.widgets.chart import contrast_ratio
+from kvtui.format import format_bytes, format_tick
+from kvtui.sim.budget import Budget, VramSplit
+from kvtui.sim.catalog import GIB, ModelSpec
+from kvtui.sim.memory import kv_bytes
+from kvtui.sim.parallel import shard
+from kvtui.widgets.chart import Chart, capacity_ticks, contrast_ratio, nice_ticks, sample_points
 from kvtui.widgets.plain import plain
 
 
@@ -224,3 +228,26 @@ LEGENDS = (
 """The legend's wordings, fullest first: with each part's detail, two spaces apart; one space;
 without the details; with the parts' short names; with their sizes tight. The first that fits
 the bar is drawn."""
+
+
+def memory_curve(
+    plt: Plot, chart: Chart, b: Budget, spec: ModelSpec, context: int, points: int
+) -> None:
+    """Screen 3's what-if chart: one GPU's memory (weights, reserve and the KV cache) against
+    the context, the GPU's capacity, and the context chosen (the lesson's formula)."""
+    share = shard(spec, b.tp)  # one GPU's part, as every what-if figure is
+    fixed = b.weights_bytes_per_gpu + b.reserve_bytes
+    longest = min(b.max_context_tokens or context, spec.max_context)
+    right = max(context, longest) * 1.25
+    xs = sample_points(int(right), points, first=0)
+    ys = [(fixed + kv_bytes(share, x, b.batch, b.kv_dtype)) / GIB for x in xs]
+    color = chart.colour("memory" if b.fits else "overflow")
+    plt.plot(xs, ys, color=color, marker="braille")
+    plt.hline(b.vram_bytes / GIB, color=chart.colour("capacity"))
+    plt.vline(context, color=chart.colour("marker"))
+    top = max(ys[-1], b.vram_bytes / GIB) * 1.08
+    plt.xlim(0, right)
+    plt.ylim(0, top)
+    xt = nice_ticks(right, 4)
+    plt.xticks(xt, [format_tick(t) for t in xt])
+    plt.yticks(*capacity_ticks(top, b.vram_bytes / GIB, chart.rows))
