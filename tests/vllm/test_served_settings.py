@@ -1,12 +1,16 @@
 """Right under every setting users run (issue 32), against the two real vLLM 0.32 servers
 (tests/vllm/conftest.py): SECOND serves the fp32 export in bfloat16 on two data-parallel engines
-with blocks of 64, at most 4 sequences at once, a model length of 256 and no prefix caching;
+with blocks of 64, at most 4 sequences at once, a model length of 1,024 and no prefix caching;
 FIRST serves it as config.json says. The capacity agrees under each, read per engine and in the
-served dtype; a fill sized from the server's own limits fills FIRST and preempts, and says why
-SECOND's cannot fill; bench reports the served layout. Tensor and pipeline parallel need several
-GPUs: tests/run/test_served_settings.py checks them on captured texts changed."""
+served dtype; a fill sized from the server's own limits fills FIRST and preempts, and makes
+SECOND preempt under its max-num-seqs (why a cache cannot fill: tests/run/test_served_settings.py
+and tests/vllm/test_fill_faults.py); bench reports the served layout. Tensor and pipeline
+parallel need several GPUs: tests/run/test_served_settings.py checks them on captured texts
+changed."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 
@@ -21,7 +25,6 @@ from .server import (
     SECOND_BLOCK_TOKENS,
     SECOND_KV_CACHE_BYTES,
     SECOND_MAX_MODEL_LEN,
-    SECOND_MAX_NUM_SEQS,
     VLLMServer,
 )
 
@@ -67,15 +70,19 @@ def test_first_agrees_in_config_jsons_dtype_with_prefix_caching_on(vllm_server):
     assert served_dtype_words(check) == "" and m.prefix_caching is True
 
 
-def test_a_fill_alone_on_second_says_why_its_cache_cannot_fill(vllm_server_b, capsys):
-    """4 sequences an engine x 256 tokens = 1,024 of each engine's 1,920: no load fills it."""
-    assert main(["load", vllm_server_b.url, "--seconds", "150"]) == 0
+def test_a_fill_alone_on_second_preempts_under_its_max_num_seqs(vllm_server_b, capsys):
+    """4 sequences at once an engine: requests of half max_model_len (512 tokens: 2,048 of an
+    engine's 1,920 only when all four are at their end) rarely filled it; requests as long as
+    max_model_len do, and vLLM preempts (the limit, inferred where the cache stays below full:
+    tests/run/test_served_settings.py)."""
+    args = ["load", vllm_server_b.url, "--seconds", "150", "--requests", "16"]
+    assert main(args) == 0
     out = capsys.readouterr().out
     assert " 0 failed" in out, out
-    running = ENGINES * SECOND_MAX_NUM_SEQS
-    assert f"at most {running} running while others waited" in out, out
-    most = running * SECOND_MAX_MODEL_LEN
-    assert f"= {most:,} tokens < 3,840: this cache cannot fill" in out, out
+    assert f"{SECOND_MAX_MODEL_LEN - 64} tokens each" in out, out
+    preempted = re.search(r"(\d+) preemptions while watched", out)
+    assert preempted is not None and int(preempted.group(1)) > 0, out
+    assert "vLLM does not say which requests" in out and "(full)" in out, out
 
 
 def test_a_fill_alone_on_first_fills_it_and_vllm_preempts(vllm_server, capsys):

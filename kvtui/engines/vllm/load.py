@@ -46,10 +46,10 @@ DEFAULT_SECONDS = 120.0
 """A load's wall-time limit unless told: two minutes."""
 FILL_CONCURRENCY = 16
 """Requests at a time of the load `fill_plan` makes."""
-FILL_WAVES = 4
+FILL_WAVES = 2
 """Requests of the fill per request at a time: as one ends the next takes its place, so the cache
-stays full for a while to see (one wave of 16 took 1.3 s on the test server: a blip between two
-polls) rather than filling once and draining."""
+stays full for a while to see (one wave of 16 short requests took 1.3 s on the test server: a
+blip between two polls) rather than filling once and draining."""
 FILL_PROMPT_TOKENS = 64
 
 
@@ -87,18 +87,19 @@ class LoadPlan:
 def fill_plan(url: ServerURL, capacity_tokens: int, max_model_len: int | None) -> LoadPlan:
     """A load that asks for at least twice the server's KV cache: FILL_CONCURRENCY requests at
     a time (more when the cache holds more than that many full-length requests twice), each as
-    long as twice the cache shared among them, and at least half max_model_len (a request that
-    ends at once fills nothing: on a cache of 10 blocks of 32 at max_model_len 256 the plan was
-    64 + 1 tokens, done in 1.1 s, between two polls), at most max_model_len; FILL_WAVES of them
-    in turn for each request at a time. Whether it fills depends on what /metrics does not say
-    (how many sequences the server runs at once): kvtui.run.pressure says so after."""
+    long as max_model_len allows; FILL_WAVES of them in turn for each request at a time.
+
+    Each request as long as the server takes, because how many sequences it runs at once is what
+    /metrics does not say (max-num-seqs): N of them at once fill C tokens of cache only if N x
+    the request's length passes C, so the longest requests fill wherever any load can (4
+    sequences at once of half of max_model_len 1,024 never filled a cache of 1,920 tokens an
+    engine; of the whole of it they do, and vLLM preempts). Where even that cannot fill,
+    kvtui.run.pressure says why after."""
     longest = max_model_len or 4096
     prompt = max(1, min(FILL_PROMPT_TOKENS, longest // 4))
-    wanted = max(prompt + 1, longest // 2, -(-2 * capacity_tokens // FILL_CONCURRENCY))
-    each = min(longest, wanted)
-    n = min(MAX_CONCURRENCY, max(FILL_CONCURRENCY, -(-2 * capacity_tokens // each)))
+    n = min(MAX_CONCURRENCY, max(FILL_CONCURRENCY, -(-2 * capacity_tokens // longest)))
     requests = min(MAX_REQUESTS, n * FILL_WAVES)
-    return LoadPlan(url, n, prompt, each - prompt, requests, DEFAULT_SECONDS)
+    return LoadPlan(url, n, prompt, longest - prompt, requests, DEFAULT_SECONDS)
 
 
 @dataclass
