@@ -1,0 +1,85 @@
+"""A stand-in for vLLM's KV-events publisher (vllm/distributed/kv_events.py): a zmq PUB that
+connects to kvtui's bound SUB, in this process, and sends what a test says: vLLM's three frames
+(topic, an 8-byte big-endian sequence number, a msgpack [ts, events, dp_rank]) or any bytes."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import zmq
+
+WAIT_S = 10.0
+
+
+def free_endpoint() -> str:
+    """A loopback tcp endpoint whose port is free now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def stored(hashes: list[Any], tokens: list[int], parent: int | None = None, size: int = 4) -> dict:
+    """A BlockStored as vLLM 0.32 encodes it (a map tagged by `type`)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def removed(hashes: list[int]) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": 0}
+
+
+def wait_until(condition: Callable[[], Any], timeout: float = WAIT_S) -> Any:
+    """Poll `condition` until it is true (its value returned) or `timeout` passes (AssertionError)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout} s")
+
+
+class StandIn:
+    """A publisher connected to `endpoint`."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.PUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(endpoint)
+
+    def send(self, seq: int, events: list[Any], rank: int | None = 0) -> None:
+        self.frames([b"", seq.to_bytes(8, "big"), msgpack.packb([time.time(), events, rank])])
+
+    def frames(self, frames: list[bytes]) -> None:
+        self.socket.send_multipart(frames)
+
+    def join(self, feed: Any) -> None:
+        """Send empty batch 0 until the feed has it (a PUB drops what it sends before the
+        connection is up): later batches arrive in order, and the repeats of 0 are skipped."""
+
+        def arrived() -> bool:
+            self.send(0, [])
+            time.sleep(0.01)
+            return feed.view().batches >= 1
+
+        wait_until(arrived)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
