@@ -37,6 +37,7 @@ from kvtui.options import (
     Parser,
     UsageError,
     add_run_options,
+    check_kv_events,
     int_in,
     output_path,
     quality_bytes,
@@ -75,6 +76,7 @@ def cmd_app(args: argparse.Namespace) -> int:
             check_engine(settings)
         except EngineError as exc:
             raise UsageError(f"kvtui: {exc}") from None
+        check_kv_events(args.kv_events, settings)
         if not has_terminal():
             raise UsageError(
                 "kvtui: the app needs a terminal; for output to a file or a pipe use "
@@ -84,7 +86,13 @@ def cmd_app(args: argparse.Namespace) -> int:
 
         if card is not None:
             card.stop()  # before the app draws: one writer on the terminal at a time
-        code = run_app(settings, screen=args.screen, present=args.present, theme=args.theme)
+        code = run_app(
+            settings,
+            screen=args.screen,
+            present=args.present,
+            theme=args.theme,
+            kv_events=args.kv_events,
+        )
     finally:
         if card is not None:
             card.close()

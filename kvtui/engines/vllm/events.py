@@ -100,10 +100,12 @@ def parse_endpoint(text: str) -> Endpoint:
 
 
 def check_bind(endpoint: Endpoint) -> None:
-    """Whether the endpoint can be bound here now (a plain socket, bound and closed): one line
+    """Whether the endpoint can be bound here now (a plain socket, bound and closed, reusing an
+    address as libzmq does: a connection of a run just ended waits in TIME-WAIT there): one line
     when the address is not this machine's or the port is taken."""
     family = socket.AF_INET6 if ":" in endpoint.host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((endpoint.host, endpoint.port))
         except OSError as exc:
