@@ -72,11 +72,11 @@ def cmd_app(args: argparse.Namespace) -> int:
         from kvtui.engines.factory import check_engine
 
         settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
+        check_kv_events(args.kv_events, settings)  # before the engine's checks ask the server
         try:
             check_engine(settings)
         except EngineError as exc:
             raise UsageError(f"kvtui: {exc}") from None
-        check_kv_events(args.kv_events, settings)
         if not has_terminal():
             raise UsageError(
                 "kvtui: the app needs a terminal; for output to a file or a pipe use "

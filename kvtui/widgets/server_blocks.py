@@ -27,10 +27,10 @@ MAX_CELLS = 12
 
 
 def short_hash(key: BlockKey) -> str:
-    """A block's content hash, its first 6 hex digits (a 64-bit integer as unsigned)."""
+    """A block's content hash, its last 6 hex digits (a 64-bit integer as unsigned)."""
     if isinstance(key, bytes):
-        return key.hex()[:6]
-    return f"{key & (2**64 - 1):016x}"[:6]
+        return key.hex()[-6:]
+    return f"{key & (2**64 - 1):016x}"[-6:]
 
 
 def block_text(blocks: tuple[Block, ...], byte_level: bool) -> str:
@@ -49,21 +49,20 @@ def usage_words(view: BlocksView, latest: ServerMetrics | None) -> list[str]:
     full."""
     size = view.block_size
     slots = f" = {format_int(view.held_tokens)} token slots, each full" if size else ""
-    held = f"Held, as the events say: {format_count(view.held, 'block')}{slots}."
+    held = f"held, as the events say: {format_count(view.held, 'block')}{slots}"
     if latest is None or latest.kv_usage is None or not latest.kv_blocks:
-        return [held]
+        return [held[0].upper() + held[1:] + "."]
     in_use = round(latest.kv_usage * latest.kv_blocks)
     lines = []
     if view.held > in_use:
         lines.append(
-            f"{format_count(view.held - in_use, 'cached block')} no request holds count as free "
-            "in vLLM's gauge, their prefix still there to hit until a new block takes the place."
+            f"{format_count(view.held - in_use, 'cached block')} no request holds: free in "
+            "vLLM's gauge, yet holding their prefix to hit until evicted."
         )
-    lines.append(held)
     lines.append(
-        f"vLLM's usage gauge: {format_percent(latest.kv_usage)} of {format_int(latest.kv_blocks)}"
-        f" blocks = {format_int(in_use)} in use by requests (a block counts whole from its first "
-        "token, not by the slots it fills)."
+        f"vLLM's gauge: {format_percent(latest.kv_usage)} of {format_int(latest.kv_blocks)} "
+        f"blocks = {format_int(in_use)} in use (a block counts whole from its first token); "
+        f"{held}."
     )
     return lines
 
@@ -72,12 +71,11 @@ def prompt_words(hit: int | None, prompt_tokens: int, size: int | None) -> str:
     """This run's prompt against the held blocks: what a repeat would hit, and why not more."""
     if hit is None or not size or not prompt_tokens:
         return ""
-    full = (prompt_tokens - 1) // size
+    most = (prompt_tokens - 1) // size * size
     return (
-        f"This run's prompt: {format_int(hit)} of its {format_int(prompt_tokens)} tokens are in "
-        f"held blocks (a repeat hits them); at most {format_int(full * size)}: only whole blocks "
-        f"of {size} are cached, and the last token is always computed. A shared start shorter "
-        f"than {size} tokens shares nothing."
+        f"This run's prompt: {format_int(hit)} of {format_int(prompt_tokens)} tokens in held "
+        f"blocks, a repeat's hits (at most {format_int(most)}: whole blocks of {size}, never the "
+        f"last token; a start shared for under {size} tokens shares nothing)."
     )
 
 
@@ -110,7 +108,7 @@ class ServerBlocksPanel(Widget):
         self._view = feed.view()
         self._latest: ServerMetrics | None = None
         self._prompt: list[int] = []
-        self.border_title = "vLLM's prefix cache, from its events: ■ shared □ one's own"
+        self.border_title = "vLLM's prefix cache, from its events: ■ shared □ own"
         self.border_subtitle = self._subtitle(self._view)
 
     def on_mount(self) -> None:
@@ -168,7 +166,7 @@ class ServerBlocksPanel(Widget):
         return [
             f"{format_int(view.held)} blocks held · stored {format_int(view.stored)} · evicted "
             f"{format_int(view.removed)} · {format_count(len(view.sequences), 'sequence')}, "
-            f"{format_int(view.shared_blocks)} blocks shared"
+            f"{format_count(view.shared_blocks, 'block')} shared"
         ]
 
     def _tail(self, view: BlocksView) -> list[tuple[str, str]]:
@@ -197,15 +195,13 @@ class ServerBlocksPanel(Widget):
                     "",
                 )
             )
-        if view.batches:
-            lines.extend((words, "") for words in usage_words(view, self._latest))
+        usage = usage_words(view, self._latest) if view.batches else []
         said = prompt_words(
             self.feed.prefix_tokens(self._prompt) if view.byte_level and self._prompt else None,
             len(self._prompt),
             view.block_size,
         )
-        if said:
-            lines.append((said, ""))
+        lines.extend((words, "") for words in [*usage[:-1], said, *usage[-1:]] if words)
         return lines
 
     def _sequence(self, sequence: Sequence, byte_level: bool, width: int) -> Text:

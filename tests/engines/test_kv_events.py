@@ -33,7 +33,11 @@ def test_a_batch_of_vllm_0_32_is_decoded() -> None:
         frames(
             [
                 1.5,
-                [stored([11, 12], tokens[:8], parent=None), removed([9]), {"type": "AllBlocksCleared"}],
+                [
+                    stored([11, 12], tokens[:8], parent=None),
+                    removed([9]),
+                    {"type": "AllBlocksCleared"},
+                ],
                 0,
             ]
         )
@@ -48,7 +52,11 @@ def test_a_batch_of_vllm_0_32_is_decoded() -> None:
 def test_the_array_like_encoding_of_older_releases_is_decoded() -> None:
     old = ["BlockStored", [5], 4, [1, 2, 3, 4], 4, None, "GPU"]
     batch = decode_frames(frames([2.0, [old, ["BlockRemoved", [5], "GPU"], ["AllBlocksCleared"]]]))
-    assert batch.events == (Stored((5,), 4, (1, 2, 3, 4), 4, "GPU"), Removed((5,), "GPU"), Cleared())
+    assert batch.events == (
+        Stored((5,), 4, (1, 2, 3, 4), 4, "GPU"),
+        Removed((5,), "GPU"),
+        Cleared(),
+    )
     assert batch.dp_rank is None
 
 
