@@ -20,7 +20,13 @@ from kvtui.engines.protocol import (
     Loop,
     RunSettings,
 )
-from kvtui.engines.vllm.events import EventsError, check_bind, parse_endpoint, require_libraries
+from kvtui.engines.vllm.events import (
+    EventsError,
+    check_bind,
+    events_text,
+    parse_events,
+    require_libraries,
+)
 from kvtui.errors import EngineError
 from kvtui.format import (
     format_bytes,
@@ -354,8 +360,9 @@ def add_run_options(group: Any, *, app: bool) -> None:
             default=None,
             metavar="ENDPOINT",
             help="with --engine vllm:URL: tcp://HOST:PORT, where the server publishes its KV cache "
-            "events (its --kv-events-config endpoint; kvtui binds it); screen 2 draws its prefix "
-            "cache from them (needs kvtui[vllm])",
+            "events (its --kv-events-config endpoint; kvtui binds it), and ,replay=tcp://HOST:PORT "
+            "its replay_endpoint, if it has one; screen 2 draws its prefix cache from them (needs "
+            "kvtui[vllm])",
         )
         group.add_argument(
             "--batch",
@@ -437,9 +444,10 @@ def add_layout_options(group: Any) -> None:
 
 
 def kv_events_endpoint(text: str) -> str:
-    """--kv-events: a tcp://HOST:PORT to bind (kvtui.engines.vllm.events), as it will be bound."""
+    """--kv-events: a tcp://HOST:PORT to bind, and the server's replay socket where given
+    (kvtui.engines.vllm.events.parse_events), as kvtui writes them."""
     try:
-        return str(parse_endpoint(argv_text(text)))
+        return events_text(*parse_events(argv_text(text)))
     except EventsError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-events ")) from None
 
@@ -459,7 +467,7 @@ def check_kv_events(endpoint: str | None, settings: RunSettings) -> None:
         )
     try:
         require_libraries()
-        check_bind(parse_endpoint(endpoint))
+        check_bind(parse_events(endpoint)[0])
     except EventsError as exc:
         raise UsageError(f"kvtui: {exc}") from None
 

@@ -5,6 +5,7 @@ connects to kvtui's bound SUB, in this process, and sends what a test says: vLLM
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +45,7 @@ def removed(hashes: list[int]) -> dict:
 
 
 def wait_until(condition: Callable[[], Any], timeout: float = WAIT_S) -> Any:
-    """Poll `condition` until it is true (its value returned) or `timeout` passes (AssertionError)."""
+    """Poll `condition` until it is true (its value returned); AssertionError after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
@@ -55,16 +56,45 @@ def wait_until(condition: Callable[[], Any], timeout: float = WAIT_S) -> Any:
 
 
 class StandIn:
-    """A publisher connected to `endpoint`."""
+    """A publisher connected to `endpoint`; with `replay`, a ROUTER bound there answers replay
+    requests from what it sent (vLLM's `_service_replay`), on a thread of its own."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, replay: str | None = None) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(endpoint)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.replays: list[int] = []
+        self._stop = threading.Event()
+        self._replay_thread: threading.Thread | None = None
+        if replay is not None:
+            router = self.context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(replay)
+            self._replay_thread = threading.Thread(target=self._serve, args=(router,), daemon=True)
+            self._replay_thread.start()
 
-    def send(self, seq: int, events: list[Any], rank: int | None = 0) -> None:
-        self.frames([b"", seq.to_bytes(8, "big"), msgpack.packb([time.time(), events, rank])])
+    def _serve(self, router: Any) -> None:
+        while not self._stop.is_set():
+            if not router.poll(50):
+                continue
+            client, _, start = router.recv_multipart()
+            self.replays.append(int.from_bytes(start, "big"))
+            for seq, payload in list(self.buffer):
+                if seq >= self.replays[-1]:
+                    router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+            router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        router.close(linger=0)
+
+    def send(
+        self, seq: int, events: list[Any], rank: int | None = 0, *, lost: bool = False
+    ) -> None:
+        """Publish a batch (kept for replays); `lost`: kept, but never published."""
+        payload = msgpack.packb([time.time(), events, rank])
+        self.buffer.append((seq, payload))
+        if not lost:
+            self.frames([b"", seq.to_bytes(8, "big"), payload])
 
     def frames(self, frames: list[bytes]) -> None:
         self.socket.send_multipart(frames)
@@ -81,5 +111,8 @@ class StandIn:
         wait_until(arrived)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(5)
         self.socket.close(linger=0)
         self.context.term()

@@ -50,6 +50,8 @@ SILENT_S = 5.0
 """After this long without a batch, the view says none has come."""
 VIEWS_PER_SECOND = 4
 RECEIVE_WAIT_S = 0.25
+REPLAY_WAIT_S = 2.0
+"""The longest a replay is waited for (the feed listens to nothing else meanwhile)."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,9 @@ class BlocksView:
     gaps: tuple[Gap, ...]
     """The newest MAX_GAPS_KEPT gaps."""
     missed: int
-    """Batches missed in all gaps."""
+    """Batches missed in all gaps (those a replay recovered not among them)."""
+    recovered: int
+    """Batches a gap lost that the server's replay socket sent again, folded in order."""
     restarts: int
     """Times a rank's sequence went back (the server restarted: its cache began again)."""
     forgotten: int
@@ -154,6 +158,7 @@ class ServerBlocks:
     refused_why: str = ""
     gaps: deque[Gap] = field(default_factory=lambda: deque(maxlen=MAX_GAPS_KEPT))
     missed: int = 0
+    recovered: int = 0
     restarts: int = 0
     forgotten: int = 0
     last_at: float | None = None
@@ -185,6 +190,13 @@ class ServerBlocks:
             elif isinstance(event, Cleared):
                 self.cleared += 1
                 self._clear()
+
+    def gap_before(self, batch: Batch) -> tuple[int, int] | None:
+        """The sequence numbers `batch` would skip on its rank (first, last), or None."""
+        last = self.last_seq.get(batch.dp_rank)
+        if last is None or batch.seq <= last + 1:
+            return None
+        return last + 1, batch.seq - 1
 
     def refuse(self, error: EventsError, now: float) -> None:
         """A message that was not a batch: counted and said, the rest goes on."""
@@ -266,6 +278,7 @@ class ServerBlocks:
             refused_why=self.refused_why,
             gaps=tuple(self.gaps),
             missed=self.missed,
+            recovered=self.recovered,
             restarts=self.restarts,
             forgotten=self.forgotten,
             silent_s=max(0.0, now - since),
@@ -325,10 +338,11 @@ class ServerBlocksFeed:
         endpoint: Endpoint,
         *,
         ranks: int = 1,
+        replay: Endpoint | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._clock = clock
-        self._subscriber = Subscriber(endpoint, ranks)
+        self._subscriber = Subscriber(endpoint, ranks, replay)
         self._fold = ServerBlocks(str(endpoint), clock())
         self._lock = threading.Lock()
         self._view = self._fold.view(clock())
@@ -355,6 +369,7 @@ class ServerBlocksFeed:
                 with self._lock:
                     for item in got:
                         if isinstance(item, Batch):
+                            self._recover(item, now)
                             self._fold.apply(item, now)
                         else:
                             self._fold.refuse(item, now)
@@ -366,6 +381,24 @@ class ServerBlocksFeed:
             with self._lock:
                 self._fold.error = f"the subscriber ended: {type(exc).__name__}: {exc}"[:200]
                 self._view = self._fold.view(self._clock())
+
+    def _recover(self, batch: Batch, now: float) -> None:
+        """Before a batch that skips sequence numbers, the skipped ones from the server's replay
+        socket (where one was given), folded in order; what it did not send stays a gap."""
+        gap = self._fold.gap_before(batch)
+        if gap is None or self._subscriber.replay_endpoint is None:
+            return
+        first, last = gap
+        replayed = {
+            b.seq: b
+            for b in self._subscriber.replay(first, REPLAY_WAIT_S)
+            if isinstance(b, Batch) and first <= b.seq <= last and b.dp_rank == batch.dp_rank
+        }
+        for seq in range(first, last + 1):
+            if seq not in replayed:
+                break  # the rest stays a gap: said when `batch` is folded
+            self._fold.apply(replayed[seq], now)
+            self._fold.recovered += 1
 
     def close(self, timeout: float = 1.0) -> None:
         self._stop.set()

@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import var
 from textual_plotext.plot import Plot
 
-from kvtui.engines.vllm.events import EventsError, parse_endpoint
+from kvtui.engines.vllm.events import EventsError, parse_events
 from kvtui.format import format_int, format_ratio, format_seconds, format_tick
 from kvtui.run.live import CachePicture, LiveRun, LoopTrace
 from kvtui.run.server_blocks import ServerBlocksFeed
@@ -63,7 +63,8 @@ class CacheScreen(WorkScreen):
         self.events_error = ""
         if kv_events:
             try:
-                self.server_blocks = ServerBlocksFeed(parse_endpoint(kv_events))
+                endpoint, replay = parse_events(kv_events)
+                self.server_blocks = ServerBlocksFeed(endpoint, replay=replay)
             except EventsError as exc:
                 self.events_error = str(exc)
 

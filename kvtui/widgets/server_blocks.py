@@ -179,7 +179,13 @@ class ServerBlocksPanel(Widget):
                 (
                     f"Missed {format_int(view.missed)} of {format_int(view.batches + view.missed)}"
                     f" batches (newest gap: {gap.first:,}-{gap.last:,}{rank}): what was stored or "
-                    "evicted then is not drawn (vLLM's replay socket is not asked).",
+                    "evicted then is not drawn"
+                    + (
+                        f" ({format_int(view.recovered)} more were replayed)."
+                        if view.recovered
+                        else " (--kv-events ENDPOINT,replay=R recovers them from a server with a "
+                        "replay_endpoint)."
+                    ),
                     "bad",
                 )
             )
@@ -233,6 +239,8 @@ class ServerBlocksPanel(Widget):
         if view.block_size:
             parts.append(f"blocks of {view.block_size}")
         parts.append(f"missed {format_int(view.missed)}" if view.gaps else "no gaps")
+        if view.recovered:
+            parts.append(f"{format_int(view.recovered)} replayed")
         return " · ".join(parts) + f" · {view.endpoint}"
 
 

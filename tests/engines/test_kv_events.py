@@ -143,3 +143,16 @@ def test_an_endpoint_taken_or_not_here_cannot_be_bound() -> None:
             check_bind(Endpoint("127.0.0.1", port))
     with pytest.raises(EventsError, match="cannot bind it here"):
         check_bind(Endpoint("192.0.2.1", 5557))  # TEST-NET-1: no machine's own address
+
+
+def test_a_replay_endpoint_is_parsed_after_the_endpoint() -> None:
+    from kvtui.engines.vllm.events import events_text, parse_events
+
+    text = "tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
+    assert parse_events(text) == (Endpoint("127.0.0.1", 5557), Endpoint("127.0.0.1", 5558))
+    assert events_text(*parse_events(text)) == text
+    assert parse_events("tcp://127.0.0.1:5557") == (Endpoint("127.0.0.1", 5557), None)
+    with pytest.raises(EventsError, match="expected replay=tcp://HOST:PORT, not again"):
+        parse_events("tcp://127.0.0.1:5557,again")
+    with pytest.raises(EventsError, match="with a port"):
+        parse_events("tcp://127.0.0.1:5557,replay=tcp://127.0.0.1")

@@ -96,6 +96,41 @@ def test_a_sequence_gap_is_said(feed: ServerBlocksFeed, publisher: StandIn) -> N
     assert view.missed == 3 and [(g.first, g.last, g.batches) for g in view.gaps] == [(2, 4, 3)]
 
 
+def test_a_gap_is_recovered_from_the_servers_replay_socket(endpoint: Endpoint) -> None:
+    replay = free_endpoint()
+    feed = ServerBlocksFeed(endpoint, replay=parse_endpoint(replay))
+    publisher = StandIn(str(endpoint), replay=replay)
+    try:
+        publisher.join(feed)
+        publisher.send(1, [stored([1], ABCD)])
+        publisher.send(2, [stored([2], EFGH, parent=1)], lost=True)
+        publisher.send(3, [removed([1])], lost=True)
+        publisher.send(4, [stored([3], list(b"ijkl"), parent=2)])
+        view = wait_until(lambda: (v := feed.view()).stored == 3 and v)
+        assert publisher.replays == [2]  # asked from the first batch missed
+        assert (view.recovered, view.missed, view.gaps) == (2, 0, ())
+        # folded in order: block 1 was evicted after block 2 was stored
+        assert view.held == 2 and [[b.key for b in s.blocks] for s in view.sequences] == [[2, 3]]
+    finally:
+        publisher.close()
+        feed.close()
+
+
+def test_a_replay_that_does_not_answer_leaves_the_gap_said(endpoint: Endpoint) -> None:
+    silent = free_endpoint()  # nothing bound there
+    feed = ServerBlocksFeed(endpoint, replay=parse_endpoint(silent))
+    publisher = StandIn(str(endpoint))
+    try:
+        publisher.join(feed)
+        publisher.send(1, [stored([1], ABCD)])
+        publisher.send(4, [stored([3], EFGH)])
+        view = wait_until(lambda: (v := feed.view()).stored == 2 and v, timeout=15)
+        assert (view.recovered, view.missed) == (0, 2)
+    finally:
+        publisher.close()
+        feed.close()
+
+
 def test_a_sequence_that_goes_back_is_a_restarted_server(
     feed: ServerBlocksFeed, publisher: StandIn
 ) -> None:

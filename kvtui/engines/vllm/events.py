@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,26 @@ def parse_endpoint(text: str) -> Endpoint:
             "vLLM connects to), not every interface"
         )
     return Endpoint(str(address), port)
+
+
+def parse_events(text: str) -> tuple[Endpoint, Endpoint | None]:
+    """`--kv-events`: `ENDPOINT` or `ENDPOINT,replay=REPLAY`, REPLAY the server's replay socket
+    (its --kv-events-config `replay_endpoint`, a ROUTER it binds: kvtui connects there to ask
+    for the batches a gap lost). `EventsError` in one line otherwise."""
+    endpoint, comma, rest = text.partition(",")
+    if not comma:
+        return parse_endpoint(endpoint), None
+    if not rest.startswith("replay="):
+        shown = safe_text(rest[:100], one_line=True)
+        raise EventsError(
+            f"--kv-events: after the endpoint, expected replay=tcp://HOST:PORT, not {shown}"
+        )
+    return parse_endpoint(endpoint), parse_endpoint(rest[len("replay=") :])
+
+
+def events_text(endpoint: Endpoint, replay: Endpoint | None) -> str:
+    """`parse_events`'s input, as kvtui writes it."""
+    return str(endpoint) if replay is None else f"{endpoint},replay={replay}"
 
 
 def check_bind(endpoint: Endpoint) -> None:
@@ -319,6 +340,10 @@ def _shown_value(value: Any) -> str:
 
 RECEIVE_MAX = 256
 """The most messages one `receive` takes (the rest wait for the next)."""
+REPLAY_MAX = 10_000
+"""The most batches one replay takes (vLLM keeps 10,000 by default: `buffer_steps`)."""
+END_SEQ = -1
+"""The sequence number that ends a replay (vLLM's `END_SEQ`)."""
 
 
 class Subscriber:
@@ -327,11 +352,13 @@ class Subscriber:
     or the `EventsError` that says why it was refused; it never raises for what a publisher
     sent. Opening it imports pyzmq and msgpack (`require_libraries` says what is missing)."""
 
-    def __init__(self, endpoint: Endpoint, ranks: int = 1) -> None:
+    def __init__(self, endpoint: Endpoint, ranks: int = 1, replay: Endpoint | None = None) -> None:
         require_libraries()
         import zmq
 
         self.endpoint = endpoint
+        self.replay_endpoint = replay
+        self._replay: Any = None
         self._zmq = zmq
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
@@ -364,6 +391,39 @@ class Subscriber:
                 got.append(exc)
         return got
 
+    def replay(self, start: int, timeout_s: float) -> list[Batch | EventsError]:
+        """Ask the server's replay socket for its buffered batches from `start` on (a DEALER to
+        its ROUTER: an empty frame and the 8-byte number; each batch comes back as an empty
+        frame and vLLM's three, then END_SEQ), within `timeout_s` in all; [] without a replay
+        endpoint. What came before the deadline is handed on."""
+        if self.replay_endpoint is None or not 0 <= start < 2**63:
+            return []
+        zmq = self._zmq
+        if self._replay is None:
+            self._replay = self._context.socket(zmq.DEALER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 4096)
+            self._replay.connect(str(self.replay_endpoint))
+        self._replay.send_multipart([b"", start.to_bytes(8, "big")])
+        got: list[Batch | EventsError] = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < REPLAY_MAX:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._replay.poll(max(1, int(left * 1000))):
+                self._replay.close(linger=0)  # a late answer must not meet the next question
+                self._replay = None
+                break
+            frames = self._replay.recv_multipart(copy=True)
+            if len(frames) == 4 and frames[2] == END_SEQ.to_bytes(8, "big", signed=True):
+                break
+            try:
+                got.append(decode_frames(frames[1:]))
+            except EventsError as exc:
+                got.append(exc)
+        return got
+
     def close(self) -> None:
+        if self._replay is not None:
+            self._replay.close(linger=0)
         self._socket.close(linger=0)
         self._context.term()
