@@ -59,7 +59,11 @@ class StandIn:
     """A publisher connected to `endpoint`; with `replay`, a ROUTER bound there answers replay
     requests from what it sent (vLLM's `_service_replay`), on a thread of its own."""
 
-    def __init__(self, endpoint: str, replay: str | None = None) -> None:
+    def __init__(
+        self, endpoint: str, replay: str | None = None, hold: threading.Event | None = None
+    ) -> None:
+        """`hold`: a replay request is answered only once it is set."""
+        self.hold = hold
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.PUB)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -81,6 +85,8 @@ class StandIn:
                 continue
             client, _, start = router.recv_multipart()
             self.replays.append(int.from_bytes(start, "big"))
+            if self.hold is not None:
+                self.hold.wait(WAIT_S)
             for seq, payload in list(self.buffer):
                 if seq >= self.replays[-1]:
                     router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])

@@ -365,40 +365,49 @@ class ServerBlocksFeed:
         try:
             while not self._stop.is_set():
                 got = self._subscriber.receive(RECEIVE_WAIT_S)
-                now = self._clock()
-                with self._lock:
-                    for item in got:
+                for item in got:
+                    replayed = self._replayed(item) if isinstance(item, Batch) else []
+                    now = self._clock()
+                    with self._lock:  # held only to fold: a replay is waited for without it
+                        for batch in replayed:
+                            self._fold.apply(batch, now)
+                            self._fold.recovered += 1
                         if isinstance(item, Batch):
-                            self._recover(item, now)
                             self._fold.apply(item, now)
                         else:
                             self._fold.refuse(item, now)
-                    changed = changed or bool(got)
-                    if now - made >= 1 / VIEWS_PER_SECOND and (changed or now - made >= 1.0):
+                changed = changed or bool(got)
+                now = self._clock()
+                if now - made >= 1 / VIEWS_PER_SECOND and (changed or now - made >= 1.0):
+                    with self._lock:
                         self._view = self._fold.view(now)
-                        made, changed = now, False
+                    made, changed = now, False
         except Exception as exc:  # a zmq failure (the context ended): said, the app stays up
             with self._lock:
                 self._fold.error = f"the subscriber ended: {type(exc).__name__}: {exc}"[:200]
                 self._view = self._fold.view(self._clock())
 
-    def _recover(self, batch: Batch, now: float) -> None:
+    def _replayed(self, batch: Batch) -> list[Batch]:
         """Before a batch that skips sequence numbers, the skipped ones from the server's replay
-        socket (where one was given), folded in order; what it did not send stays a gap."""
-        gap = self._fold.gap_before(batch)
-        if gap is None or self._subscriber.replay_endpoint is None:
-            return
+        socket (where one was given), in order, up to the first it did not send (the rest stays
+        a gap: said when `batch` is folded)."""
+        with self._lock:
+            gap = self._fold.gap_before(batch)
+            if gap is None or self._subscriber.replay_endpoint is None:
+                return []
+            self._view = self._fold.view(self._clock())  # what came so far, drawn meanwhile
         first, last = gap
-        replayed = {
+        sent = {
             b.seq: b
             for b in self._subscriber.replay(first, REPLAY_WAIT_S)
             if isinstance(b, Batch) and first <= b.seq <= last and b.dp_rank == batch.dp_rank
         }
+        replayed = []
         for seq in range(first, last + 1):
-            if seq not in replayed:
-                break  # the rest stays a gap: said when `batch` is folded
-            self._fold.apply(replayed[seq], now)
-            self._fold.recovered += 1
+            if seq not in sent:
+                break
+            replayed.append(sent[seq])
+        return replayed
 
     def close(self, timeout: float = 1.0) -> None:
         self._stop.set()

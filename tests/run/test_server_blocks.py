@@ -3,6 +3,7 @@ publisher (a PUB in this process, connecting as vLLM's does) sends to the feed's
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import msgpack
@@ -112,6 +113,28 @@ def test_a_gap_is_recovered_from_the_servers_replay_socket(endpoint: Endpoint) -
         # folded in order: block 1 was evicted after block 2 was stored
         assert view.held == 2 and [[b.key for b in s.blocks] for s in view.sequences] == [[2, 3]]
     finally:
+        publisher.close()
+        feed.close()
+
+
+def test_a_replay_waited_for_never_keeps_the_fold_from_its_readers(endpoint: Endpoint) -> None:
+    """While the feed waits for a replay, what draws the panel (prefix_tokens, view) still reads
+    the fold: the replay is answered only after they have."""
+    replay, hold = free_endpoint(), threading.Event()
+    feed = ServerBlocksFeed(endpoint, replay=parse_endpoint(replay))
+    publisher = StandIn(str(endpoint), replay=replay, hold=hold)
+    try:
+        publisher.join(feed)
+        publisher.send(1, [stored([1], ABCD)])
+        publisher.send(2, [stored([2], EFGH, parent=1)], lost=True)
+        publisher.send(3, [stored([3], list(b"ijkl"), parent=2)])
+        wait_until(lambda: publisher.replays)  # the feed is waiting for its answer
+        assert feed.prefix_tokens(ABCD + [0]) == 4 and feed.view().stored == 1
+        hold.set()
+        view = wait_until(lambda: (v := feed.view()).stored == 3 and v)
+        assert (view.recovered, view.missed) == (1, 0)
+    finally:
+        hold.set()
         publisher.close()
         feed.close()
 
