@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import msgpack
 import pytest
 
-from kvtui.engines.vllm.events import Batch, Endpoint, Stored, parse_endpoint
+from kvtui.engines.vllm.events import MAX_BATCH_BYTES, Batch, Endpoint, Stored, parse_endpoint
 from kvtui.run.server_blocks import MAX_BLOCKS, SILENT_S, ServerBlocks, ServerBlocksFeed
 from tests.kv_events_standin import StandIn, free_endpoint, removed, stored, wait_until
 
@@ -180,3 +180,19 @@ def test_a_block_stored_twice_and_a_cycle_are_drawn_once() -> None:
     fold.apply(Batch(2, 0.0, (Stored((1,), 2, tuple(ABCD), 4),), 0), 0.0)
     view = fold.view(0.0)
     assert view.held == 2 and sum(len(s.blocks) for s in view.sequences) == 2
+
+
+def test_a_message_past_the_bound_is_never_read_and_becomes_a_gap(
+    feed: ServerBlocksFeed, publisher: StandIn
+) -> None:
+    """libzmq drops a message past MAX_BATCH_BYTES unread, with the publisher's connection; the
+    publisher connects again, and the batch it carried is a gap, said."""
+    publisher.frames([b"", (1).to_bytes(8, "big"), b"\x00" * (MAX_BATCH_BYTES + 8192)])
+
+    def arrived() -> bool:
+        publisher.send(2, [stored([1], ABCD)])  # again until the new connection carries it
+        return feed.view().stored == 1
+
+    wait_until(arrived)
+    view = wait_until(lambda: (v := feed.view()).stored == 1 and v)
+    assert view.refused == 0 and view.missed == 1 and view.held == 1
