@@ -64,6 +64,8 @@ class AppConfig:
     """Open in presenter mode (kvtui.screens.present; `p` toggles it)."""
     theme: str = "dark"
     """The colours to open with, a key of kvtui.options.THEMES."""
+    kv_events: str | None = None
+    """--kv-events: where screen 2 listens for a served run's KV cache events (checked)."""
     table_factory: TableFactory = TableProcess
     """What measures screen 4's table (a child process; in tests, `sim:` in this process)."""
 
@@ -181,7 +183,7 @@ class KVApp(PaletteApp):
         self.theme = THEMES[self.config.theme]
         screens = {
             "recompute": RecomputeScreen(self.live_run).data_bind(KVApp.length, run=KVApp.live_run),
-            "cache": CacheScreen(self.live_run).data_bind(
+            "cache": CacheScreen(self.live_run, kv_events=self.config.kv_events).data_bind(
                 KVApp.length, KVApp.cache_on, run=KVApp.live_run
             ),
             "memory": MemoryScreen(self.live_run, next_run=self).data_bind(
@@ -467,6 +469,7 @@ def make_app(
     present: bool = False,
     theme: str = "dark",
     table_factory: TableFactory = TableProcess,
+    kv_events: str | None = None,
 ) -> KVApp:
     """The one factory that builds the app, for the CLI and for the tests."""
     config = AppConfig(
@@ -477,17 +480,23 @@ def make_app(
         present=present,
         theme=theme,
         table_factory=table_factory,
+        kv_events=kv_events,
     )
     return KVApp(config, engine_factory)
 
 
 def run_app(
-    settings: RunSettings, screen: int = 1, *, present: bool = False, theme: str = "dark"
+    settings: RunSettings,
+    screen: int = 1,
+    *,
+    present: bool = False,
+    theme: str = "dark",
+    kv_events: str | None = None,
 ) -> int:
     """Open the app on a screen, run it, and return its exit code; SIGINT, SIGTERM and SIGHUP
     end it as `q` does, with the code a shell expects (kvtui.terminal.ended_by_signals)."""
     try:
-        app = make_app(settings, screen, present=present, theme=theme)
+        app = make_app(settings, screen, present=present, theme=theme, kv_events=kv_events)
     except DriverError as exc:
         raise UsageError(f"kvtui: {exc}") from None
     with ended_by_signals(app.exit, lambda: app.engines.close(timeout=0.5)):

@@ -38,6 +38,7 @@ from kvtui.options import (
     Parser,
     UsageError,
     add_run_options,
+    check_kv_events,
     int_in,
     output_path,
     quality_bytes,
@@ -72,6 +73,7 @@ def cmd_app(args: argparse.Namespace) -> int:
         from kvtui.engines.factory import check_engine
 
         settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)
+        check_kv_events(args.kv_events, settings)  # before the engine's checks ask the server
         try:
             check_engine(settings)
         except EngineError as exc:
@@ -85,7 +87,13 @@ def cmd_app(args: argparse.Namespace) -> int:
 
         if card is not None:
             card.stop()  # before the app draws: one writer on the terminal at a time
-        code = run_app(settings, screen=args.screen, present=args.present, theme=args.theme)
+        code = run_app(
+            settings,
+            screen=args.screen,
+            present=args.present,
+            theme=args.theme,
+            kv_events=args.kv_events,
+        )
     finally:
         if card is not None:
             card.close()

@@ -20,6 +20,13 @@ from kvtui.engines.protocol import (
     Loop,
     RunSettings,
 )
+from kvtui.engines.vllm.events import (
+    EventsError,
+    check_bind,
+    events_text,
+    parse_events,
+    require_libraries,
+)
 from kvtui.errors import EngineError
 from kvtui.format import (
     format_bytes,
@@ -372,6 +379,16 @@ def add_run_options(group: Any, *, app: bool) -> None:
     add_layout_options(group)
     if app:
         group.add_argument(
+            "--kv-events",
+            type=kv_events_endpoint,
+            default=None,
+            metavar="ENDPOINT",
+            help="with --engine vllm:URL: tcp://HOST:PORT, where the server publishes its KV cache "
+            "events (its --kv-events-config endpoint; kvtui binds it), and ,replay=tcp://HOST:PORT "
+            "its replay_endpoint, if it has one; screen 2 draws its prefix cache from them (needs "
+            "kvtui[vllm])",
+        )
+        group.add_argument(
             "--batch",
             type=one_batch,
             default=1,
@@ -448,6 +465,35 @@ def add_layout_options(group: Any) -> None:
         help="average the model's key/value heads into N without retraining (1: multi-query "
         "attention); N must divide them",
     )
+
+
+def kv_events_endpoint(text: str) -> str:
+    """--kv-events: a tcp://HOST:PORT to bind, and the server's replay socket where given
+    (kvtui.engines.vllm.events.parse_events), as kvtui writes them."""
+    try:
+        return events_text(*parse_events(argv_text(text)))
+    except EventsError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--kv-events ")) from None
+
+
+def check_kv_events(endpoint: str | None, settings: RunSettings) -> None:
+    """--kv-events beside a served engine, with pyzmq and msgpack here and the endpoint free to
+    bind: else one line (UsageError)."""
+    if endpoint is None:
+        return
+    try:
+        served = parse_engine(settings.engine).can.served
+    except EngineError:
+        served = False
+    if not served:
+        raise UsageError(
+            "kvtui: --kv-events is for a server's events: give it beside --engine vllm:URL"
+        )
+    try:
+        require_libraries()
+        check_bind(parse_events(endpoint)[0])
+    except EventsError as exc:
+        raise UsageError(f"kvtui: {exc}") from None
 
 
 def settings_from_args(args: argparse.Namespace, default_tokens: int) -> RunSettings:

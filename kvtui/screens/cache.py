@@ -11,8 +11,10 @@ from textual.reactive import var
 from textual.widgets import Static
 from textual_plotext.plot import Plot
 
+from kvtui.engines.vllm.events import EventsError, parse_events
 from kvtui.format import format_int, format_ratio, format_seconds, format_tick
-from kvtui.run.live import CachePicture, LoopTrace
+from kvtui.run.live import CachePicture, LiveRun, LoopTrace
+from kvtui.run.server_blocks import ServerBlocksFeed
 from kvtui.screens.base import WorkScreen
 from kvtui.sim.catalog import UnknownNameError, get_gpu, get_model
 from kvtui.sim.work import compute_bound_positions
@@ -21,6 +23,7 @@ from kvtui.widgets.cards import StatCard
 from kvtui.widgets.chart import Caption, Chart, downsample, fitting_ticks, nice_ticks
 from kvtui.widgets.note import Note
 from kvtui.widgets.served import latency_words
+from kvtui.widgets.server_blocks import ServerBlocksPanel
 from kvtui.widgets.stream import TokenStream
 
 CAPTION = "{uncached} without a cache   {cached} with a cache   (counted by the engine)   x: tokens"
@@ -54,6 +57,20 @@ class CacheScreen(WorkScreen):
     cache_on: var[bool] = var(True, init=False)
     """The App's cache toggle (bound); its watcher sets a class and redraws what changed."""
 
+    def __init__(self, run: LiveRun, *, kv_events: str | None = None) -> None:
+        """`kv_events` (--kv-events): where a served run's server publishes its KV cache events;
+        this screen listens from now on (not from when it is first shown) and draws them in the
+        charts' place, which a served run leaves empty."""
+        super().__init__(run)
+        self.server_blocks: ServerBlocksFeed | None = None
+        self.events_error = ""
+        if kv_events:
+            try:
+                endpoint, replay = parse_events(kv_events)
+                self.server_blocks = ServerBlocksFeed(endpoint, replay=replay)
+            except EventsError as exc:
+                self.events_error = str(exc)
+
     def compose_body(self) -> ComposeResult:
         with Horizontal(classes="cards"):
             yield StatCard("WITHOUT", "…", id="without")
@@ -71,12 +88,20 @@ class CacheScreen(WorkScreen):
                 yield Caption(CAPTION, classes="caption -wide-caption")
                 yield Caption(CAPTION_NARROW, classes="caption -narrow-caption")
                 yield Note(id="run-note", classes="run-note")
+                if self.server_blocks is not None:
+                    yield ServerBlocksPanel(self.server_blocks, id="server-blocks")
             yield CacheGrid(CachePicture("cached"), id="grid")
         yield Note(classes="narrative", id="why")
 
     def on_mount(self) -> None:
         super().on_mount()
         self._show_legend()
+        if self.events_error:
+            self.notify(self.events_error, title="KV cache events", severity="error", markup=False)
+
+    def on_unmount(self) -> None:
+        if self.server_blocks is not None:
+            self.server_blocks.close()
 
     def watch_cache_on(self, cache_on: bool) -> None:
         self.set_class(not cache_on, "-cache-off")
@@ -167,6 +192,10 @@ class CacheScreen(WorkScreen):
         self.query_one("#cumulative", Chart).draw(self._draw_cumulative)
         loop = "cached" if self.cache_on else "uncached"
         self.query_one(CacheGrid).show(self.run.picture(loop))
+        server = self.run.server
+        self.set_class(self.server_blocks is not None and server is not None, "-events")
+        for panel in self.query(ServerBlocksPanel):
+            panel.show(server.latest if server else None, self.run.prompt_text)
 
     def _show_mark(self) -> None:
         mark = self.query_one("#same-mark", Note)

@@ -148,7 +148,7 @@ def test_the_app_opens_on_a_good_engine(monkeypatch):
     assert main(["--engine", "sim:llama-3.1-8b@h100", "--screen", "3", "--length", "32"]) == 0
     settings, options = opened[0]
     assert settings.engine == "sim:llama-3.1-8b@h100"
-    assert options == {"screen": 3, "present": False, "theme": "dark"}
+    assert options == {"screen": 3, "present": False, "theme": "dark", "kv_events": None}
     assert settings.tokens == 32
 
 
