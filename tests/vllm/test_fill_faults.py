@@ -70,8 +70,8 @@ def test_a_load_alone_is_sized_from_the_server_and_says_whether_it_filled(capsys
         server.close()
     out = capsys.readouterr().out
     assert code == 0
-    assert "64 requests to" in out and "16 at a time, 64 prompt + 192 tokens each" in out
-    assert "64 done, 0 cut short, 0 failed" in out
+    assert "32 requests to" in out and "16 at a time, 64 prompt + 448 tokens each" in out
+    assert "32 done, 0 cut short, 0 failed" in out
     assert "vLLM's cache: peak" in out  # the stand-in's text says 100% and 9 waiting
 
 

@@ -88,22 +88,20 @@ async def test_the_app_watches_a_load_fill_vllms_cache_preempt_and_drain(vllm_se
     async with app.run_test(size=(100, 30), message_hook=seen.append) as pilot:
         await wait_for(pilot, lambda: "0% of 40 blocks in use" in screen_text(app), timeout=60)
         await wait_for(pilot, lambda: "= 40 blocks: agree" in screen_text(app), timeout=10)
-        await pilot.press("f")  # 64 requests of 64 + 96 tokens, 16 at a time: twice the cache
+        await pilot.press("f")  # 32 requests of 64 + 448 tokens, 16 at a time: 6x the cache
         run = lambda: app.live_run.server  # noqa: E731
         ended = lambda: [n for n in notifications_in(seen) if "requests done" in n]  # noqa: E731
         # Bounds for a machine whose other core runs the rest of the suite: each returns as soon
         # as its condition holds.
         await wait_for(pilot, ended, timeout=240)
-        assert "64 of 64 requests done (0 cut short, 0 failed)" in ended()[0]
+        assert "32 of 32 requests done (0 cut short, 0 failed)" in ended()[0]
         await wait_for(pilot, lambda: run().usage[-1][1] == 0.0, timeout=90)  # drained
         assert "0% of 40 blocks in use" in screen_text(app)
         w, usage = run(), [u for _, u in run().usage]
-        if max(usage) < 0.9 or not w.preemptions_seen:
-            # Known and not understood: in about one full-suite run in three (never alone), the
-            # load completes but no poll sees the cache full (polls every 0.5 s, all answered,
-            # usage 0.0 after). Reported as such rather than passed or hidden.
-            pytest.xfail(
-                f"the fill was not seen full: peak {max(usage):.0%}, preemptions "
-                f"{w.preemptions_seen}, {w.polls} polls ({w.failed} failed)"
-            )
+        # The fill's requests were half max_model_len, and in about one full-suite run in three
+        # no poll saw the cache full; as long as max_model_len, each holds it for seconds.
+        assert max(usage) >= 0.9 and w.preemptions_seen, (
+            f"the fill was not seen full: peak {max(usage):.0%}, preemptions "
+            f"{w.preemptions_seen}, {w.polls} polls ({w.failed} failed)"
+        )
         assert "preemption" in screen_text(app) and "while watched" in screen_text(app)
