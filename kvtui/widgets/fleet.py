@@ -45,7 +45,9 @@ def _capacity_words(fleet: FleetWatch, replica: int, started: RunStarted | None)
     if check.override is not None:
         return f"{read} · kvtui {format_int(check.predicted.blocks)} (blocks overridden)"
     verdict = "agree" if check.agree else f"DISAGREE {check.ratio or 0:.2f}x"
-    return f"{read} · kvtui {format_int(check.predicted.blocks)}: {verdict}"
+    each = format_int(check.predicted.blocks)
+    predicted = each if check.engines == 1 else f"{each} x {check.engines} engines"
+    return f"{read} · kvtui {predicted}: {verdict}"
 
 
 def _use_words(watch: ServerWatch) -> str:
@@ -64,7 +66,9 @@ def _use_words(watch: ServerWatch) -> str:
     if seen is not None:
         parts.append(format_count(seen, "preemption"))
     queries, hits = watch.prefix_queries_seen, watch.prefix_hits_seen
-    if queries and hits is not None:
+    if m.prefix_caching is False:
+        parts.append("prefix caching off")
+    elif queries and hits is not None:
         parts.append(f"prefix {format_percent(hits / queries)} hit")
     elif m.prefix_hit_rate is not None:
         parts.append(f"prefix {format_percent(m.prefix_hit_rate)} hit")
@@ -106,7 +110,7 @@ def fleet_lines(
     )
     lines.append(
         (
-            f"Fleet ({t.answering}/{t.replicas} answering, kvtui's sums): "
+            f"Sum of {t.answering}/{t.replicas} answering: "
             f"{capacity}{usage}{t.running:,} run, {t.waiting:,} wait, "
             f"{format_count(t.preemptions_seen, 'preemption')}{hits}",
             "bold",

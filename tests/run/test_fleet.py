@@ -160,7 +160,7 @@ def test_each_row_has_its_capacity_read_and_predicted_usage_requests_and_hits():
     assert lines[2].startswith("2 127.0.0.1:8102 · 1,280 = 40 x 32 tokens · kvtui: no prediction")
     assert "serves 'other', not the model kvtui read ('m')" in lines[2]
     assert lines[2].endswith("· serves other")
-    assert lines[4].startswith("Fleet (2/2 answering, kvtui's sums): 2,560 tokens, KV 45%")
+    assert lines[4].startswith("Sum of 2/2 answering: 2,560 tokens, KV 45%")
 
 
 def test_text_from_a_server_is_drawn_escaped():
@@ -177,3 +177,20 @@ def test_rows_without_the_servers_list_name_replicas_by_place():
     fleet.add(poll(1))
     lines = [text for text, _ in fleet_lines(fleet, None, ())]  # a replayed record's
     assert lines[0].startswith("replica 1 decode · ") and lines[2].startswith("replica 2 · ")
+
+
+def test_a_data_parallel_replica_s_row_says_its_prediction_per_engine_and_its_prefix_caching():
+    """Server B's real text (bf16 on 2 data-parallel engines, no prefix caching): its row read
+    "3,840 = 60 x 64 tokens · kvtui 30: agree" (one engine's 30 beside both engines' 60) and
+    "prefix: none looked up" where the server caches no prefix at all."""
+    from pathlib import Path
+
+    from kvtui.engines.vllm.metrics import server_metrics
+
+    text = Path(__file__).parents[1] / "engines" / "data" / "vllm-0.32-dp2-bf16-busy.txt"
+    fleet = FleetWatch()
+    fleet.add(poll(0, kv_cache_memory_bytes=4_000_000, kv_cache_dtype="auto"))
+    fleet.add(replace(server_metrics(text.read_text(), 1.0), replica=1, model="m"))
+    lines = [text for text, _ in fleet_lines(fleet, started(), URLS)]
+    assert lines[2] == "2 127.0.0.1:8102 · 3,840 = 60 x 64 tokens · kvtui 30 x 2 engines: agree"
+    assert lines[3].endswith("· prefix caching off")

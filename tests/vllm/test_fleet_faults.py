@@ -87,7 +87,7 @@ async def test_screen_3_draws_a_row_per_replica_and_names_the_one_gone(two):
 
         def drawn() -> bool:
             text = screen_text(app)
-            return f"2 127.0.0.1:{port_b}" in text and "Fleet (2/2 answering" in text
+            return f"2 127.0.0.1:{port_b}" in text and "Sum of 2/2 answering" in text
 
         await wait_for(pilot, drawn, timeout=30)
         text = screen_text(app)
@@ -96,7 +96,7 @@ async def test_screen_3_draws_a_row_per_replica_and_names_the_one_gone(two):
         b.kill()
         gone = f"replica 2 (127.0.0.1:{port_b}) stopped answering; the other 1 still watched"
         await wait_for(pilot, lambda: gone in screen_text(app), timeout=30)
-        assert "Fleet (1/2 answering" in screen_text(app)
+        assert "Sum of 1/2 answering" in screen_text(app)
 
 
 def test_bench_json_gives_servers_each_shaped_like_server(two, capsys):

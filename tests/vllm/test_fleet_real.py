@@ -62,7 +62,7 @@ async def test_the_app_draws_both_replicas_rows_and_totals(vllm_server, vllm_ser
 
         def both() -> bool:
             text = screen_text(app)
-            return "Fleet (2/2 answering" in text and f"x {SECOND_BLOCK_TOKENS} tokens" in text
+            return "Sum of 2/2 answering" in text and f"x {SECOND_BLOCK_TOKENS} tokens" in text
 
         await wait_for(pilot, both, timeout=60)
         text = screen_text(app)
@@ -77,7 +77,7 @@ async def test_a_replica_that_does_not_answer_leaves_the_other_watched(vllm_serv
         said = f"replica 2 ({gone.removeprefix('http://')}) stopped answering; the other 1"
         await wait_for(pilot, lambda: said in screen_text(app), timeout=60)
         text = screen_text(app)
-        assert "Fleet (1/2 answering" in text and "NOT ANSWERING" not in text  # no figures yet
+        assert "Sum of 1/2 answering" in text and "NOT ANSWERING" not in text  # no figures yet
         assert f"2 {gone.removeprefix('http://')}: no answer from {gone}" in text
 
 
