@@ -69,6 +69,43 @@ def test_each_layer_loads_only_what_it_may(layer):
     assert json.loads(done.stdout) == [], f"{layer} loaded {done.stdout.strip()}"
 
 
+FIRST_FRAME = """
+import asyncio, json, sys
+from textual.css.stylesheet import Stylesheet
+from kvtui.app import make_app
+from kvtui.engines.protocol import RunSettings
+
+reparsed = []
+reparse = Stylesheet.reparse
+Stylesheet.reparse = lambda self: reparsed.append(1) or reparse(self)
+
+async def main():
+    probe = {"probe": "null", "description": "no GPU"}  # not kvtui.testing's: it imports screens
+    app = make_app(RunSettings(engine="sim:llama-3.1-8b@h100"), probe=probe, autostart=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        loaded = sorted(m for m in sys.modules if m.startswith("kvtui.screens.")
+                        or m in ("kvtui.engines.vllm.load", "http.client"))
+        return {"screen": type(app.screen).__name__, "loaded": loaded, "reparsed": len(reparsed)}
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def test_the_app_opens_on_screen_1_with_only_what_it_draws():
+    """The app's first frame waits for screen 1 alone: the other screens' modules (and what only
+    they use: the load's, a server's HTTP client) are imported when first shown, and screen 1 is
+    composed without a restyle (Textual parses the whole stylesheet again on entering a mode)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_FRAME], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    opened = json.loads(done.stdout.strip().splitlines()[-1])
+    assert opened["screen"] == "RecomputeScreen"
+    assert opened["loaded"] == ["kvtui.screens.base", "kvtui.screens.recompute"]
+    assert opened["reparsed"] == 0
+
+
 @pytest.mark.skipif(shutil.which("lint-imports") is None, reason="import-linter is not installed")
 def test_the_import_contracts_hold():
     done = subprocess.run(

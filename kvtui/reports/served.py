@@ -62,8 +62,8 @@ def cmd_load(args: argparse.Namespace) -> int:
     """`kvtui load URL`: a bounded load on a server; a summary, or `--json`. Exit status 1 when
     a request failed (the server refused it, or answered what is not a completion), 0 when each
     was done or cut at the time limit."""
-    from kvtui.engines.vllm.client import ServerURL
     from kvtui.engines.vllm.load import LoadPlan, format_result, run_load
+    from kvtui.engines.vllm.url import ServerURL
 
     try:
         url = ServerURL.parse(args.url)
