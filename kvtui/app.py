@@ -142,8 +142,8 @@ class KVApp(PaletteApp):
     def __init__(self, config: AppConfig, engine_factory: EngineFactory | None = None) -> None:
         """`engine_factory` makes each engine, the run's and screen 4's race's (default: a child
         process each, with a spare started between runs); the App's `engines` owns them all."""
-        # Textual composes DEFAULT_MODE's screen first (`get_default_screen`): the one asked for
-        self.DEFAULT_MODE = MODES[max(1, min(len(MODES), config.screen)) - 1]
+        # Screen 1, the usual first, is composed in no mode (`get_default_screen`); 2-4 switch to
+        self.DEFAULT_MODE = MODES[0] if config.screen <= 1 else KVApp.DEFAULT_MODE
         super().__init__()
         self.config = config
         from kvtui.run.process import Engines  # subprocess and friends: not before now
@@ -180,31 +180,28 @@ class KVApp(PaletteApp):
 
     def get_default_screen(self) -> Screen[Any]:
         """The screen the app opens on, composed first and in no mode, so without a restyle."""
-        return self._build_screen(self.DEFAULT_MODE)
+        mode = self.DEFAULT_MODE  # else Textual's own, which on_mount leaves for --screen's
+        return self._build_screen(mode) if mode in MODES else super().get_default_screen()
 
     def _build_screen(self, mode: str) -> Screen[Any]:
-        """`mode`'s screen and module, as Textual first enters it (on the App's pump: data_bind)."""
+        """`mode`'s screen, as Textual first enters it (on the App's pump: data_bind); the other
+        screens' modules are imported with the first of them shown."""
         run, live = self.live_run, KVApp.live_run
         if mode == "recompute":
             return RecomputeScreen(run).data_bind(KVApp.length, run=live)
+        from kvtui.screens import cache, memory, present, tricks
+
         if mode == "cache":
-            from kvtui.screens.cache import CacheScreen
-
-            return CacheScreen(run).data_bind(KVApp.length, KVApp.cache_on, run=live)
+            return cache.CacheScreen(run).data_bind(KVApp.length, KVApp.cache_on, run=live)
         if mode == "memory":
-            from kvtui.screens.memory import MemoryScreen
-
-            return MemoryScreen(run, next_run=self).data_bind(
+            return memory.MemoryScreen(run, next_run=self).data_bind(
                 KVApp.device_gpu, KVApp.kv_budget, KVApp.length, batch_next=KVApp.batch, run=live
             )
         if mode == "tricks":
-            from kvtui.screens.tricks import TricksScreen
-
             tables = self.config.table_factory
-            return TricksScreen(run, engines=self.engines, table_factory=tables).data_bind(run=live)
-        from kvtui.screens.present import PresentScreen
-
-        return PresentScreen(run).data_bind(run=live)
+            made = tricks.TricksScreen(run, engines=self.engines, table_factory=tables)
+            return made.data_bind(run=live)
+        return present.PresentScreen(run).data_bind(run=live)
 
     def on_mount(self) -> None:
         self.theme = THEMES[self.config.theme]
@@ -214,6 +211,7 @@ class KVApp(PaletteApp):
             self._probed(self.config.probe)
         else:  # after the first frame: the probe's imports and NVML would hold the GIL during it
             self.call_after_refresh(self._probe_device)
+        self.switch_mode(MODES[max(1, min(len(MODES), self.config.screen)) - 1])
         if self.config.present:
             self.action_present()
         if self.config.autostart:
