@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.engines.loops import Sampling, encode_text, generate, never  # noqa: E402
+from kvtui.engines.generate import encode_text, generate  # noqa: E402
+from kvtui.engines.loops import Sampling, never  # noqa: E402
 from kvtui.engines.protocol import DEFAULT_PROMPT  # noqa: E402
 from kvtui.gpu.export import hf_state_dict  # noqa: E402
 from kvtui.gpu.kernels import Linear  # noqa: E402

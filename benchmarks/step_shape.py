@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # kvtui from this checkout
 
-from kvtui.engines.loops import Sampling, encode_text, generate  # noqa: E402
+from kvtui.engines.generate import encode_text, generate  # noqa: E402
+from kvtui.engines.loops import Sampling  # noqa: E402
 from kvtui.engines.protocol import DEFAULT_PROMPT  # noqa: E402
 from kvtui.gpu.load import load_tiny  # noqa: E402
 

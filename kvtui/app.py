@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual import on, work
 from textual.binding import Binding
 from textual.driver import Driver
 from textual.message import Message
 from textual.reactive import var
+from textual.screen import Screen
 from textual.worker import Worker, WorkerState, get_current_worker
 
 from kvtui.commands import PaletteApp
@@ -37,13 +38,12 @@ from kvtui.reports.table import TableProcess
 from kvtui.run.live import LiveRun
 from kvtui.run.process import EngineFactory, EngineHandle
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step, longest_run
-from kvtui.screens.cache import CacheScreen
-from kvtui.screens.memory import MemoryScreen
-from kvtui.screens.present import PresentScreen
 from kvtui.screens.recompute import RecomputeScreen
-from kvtui.screens.tricks import TableFactory, TricksScreen
 from kvtui.sim.catalog import GPUSpec, gpu_from_probe
 from kvtui.terminal import DriverError, checked_driver, ended_by_signals
+
+if TYPE_CHECKING:
+    from kvtui.screens.tricks import TableFactory
 
 MODES = ("recompute", "cache", "memory", "tricks")
 """The lesson's screens, in order: keys 1, 2, 3 and 4."""
@@ -145,6 +145,8 @@ class KVApp(PaletteApp):
     def __init__(self, config: AppConfig, engine_factory: EngineFactory | None = None) -> None:
         """`engine_factory` makes each engine, the run's and screen 4's race's (default: a child
         process each, with a spare started between runs); the App's `engines` owns them all."""
+        # Screen 1, the usual first, is composed in no mode (`get_default_screen`); 2-4 switch to
+        self.DEFAULT_MODE = MODES[0] if config.screen <= 1 else KVApp.DEFAULT_MODE
         super().__init__()
         self.config = config
         from kvtui.run.process import Engines  # subprocess and friends: not before now
@@ -179,34 +181,44 @@ class KVApp(PaletteApp):
 
     # --- startup and screens -----------------------------------------------------------------
 
+    def get_default_screen(self) -> Screen[Any]:
+        """The screen the app opens on, composed first and in no mode, so without a restyle."""
+        mode = self.DEFAULT_MODE  # else Textual's own, which on_mount leaves for --screen's
+        return self._build_screen(mode) if mode in MODES else super().get_default_screen()
+
+    def _build_screen(self, mode: str) -> Screen[Any]:
+        """`mode`'s screen, as Textual first enters it (on the App's pump: data_bind); the other
+        screens' modules are imported with the first of them shown."""
+        run, live = self.live_run, KVApp.live_run
+        if mode == "recompute":
+            return RecomputeScreen(run).data_bind(KVApp.length, run=live)
+        from kvtui.screens import cache, memory, present, tricks
+
+        if mode == "cache":
+            made = cache.CacheScreen(run, kv_events=self.config.kv_events)
+            return made.data_bind(KVApp.length, KVApp.cache_on, run=live)
+        if mode == "memory":
+            return memory.MemoryScreen(run, next_run=self).data_bind(
+                KVApp.device_gpu, KVApp.kv_budget, KVApp.length, batch_next=KVApp.batch, run=live
+            )
+        if mode == "tricks":
+            tables = self.config.table_factory
+            made = tricks.TricksScreen(run, engines=self.engines, table_factory=tables)
+            return made.data_bind(run=live)
+        return present.PresentScreen(run).data_bind(run=live)
+
     def on_mount(self) -> None:
         self.theme = THEMES[self.config.theme]
-        screens = {
-            "recompute": RecomputeScreen(self.live_run).data_bind(KVApp.length, run=KVApp.live_run),
-            "cache": CacheScreen(self.live_run, kv_events=self.config.kv_events).data_bind(
-                KVApp.length, KVApp.cache_on, run=KVApp.live_run
-            ),
-            "memory": MemoryScreen(self.live_run, next_run=self).data_bind(
-                KVApp.device_gpu,
-                KVApp.kv_budget,
-                KVApp.length,
-                batch_next=KVApp.batch,
-                run=KVApp.live_run,
-            ),
-            "tricks": TricksScreen(
-                self.live_run,
-                engines=self.engines,
-                table_factory=self.config.table_factory,
-            ).data_bind(run=KVApp.live_run),
-        }
-        screens["present"] = PresentScreen(self.live_run).data_bind(run=KVApp.live_run)
-        for mode, screen in screens.items():
-            self.install_screen(screen, mode)
-            self.add_mode(mode, mode)
+        for mode in (*MODES, "present"):  # only now: entering one restyles (the first's unused)
+            if mode == "cache" and self.config.kv_events:  # its feed listens from the start
+                self.install_screen(self._build_screen(mode), mode)
+                self.add_mode(mode, mode)
+            else:
+                self.add_mode(mode, lambda mode=mode: self._build_screen(mode))
         if self.config.probe is not None:
             self._probed(self.config.probe)
-        else:
-            self._probe_device()
+        else:  # after the first frame: the probe's imports and NVML would hold the GIL during it
+            self.call_after_refresh(self._probe_device)
         self.switch_mode(MODES[max(1, min(len(MODES), self.config.screen)) - 1])
         if self.config.present:
             self.action_present()

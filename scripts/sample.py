@@ -19,7 +19,8 @@ import re
 
 import torch
 
-from kvtui.engines.loops import Sampling, encode_text, generate
+from kvtui.engines.generate import encode_text, generate
+from kvtui.engines.loops import Sampling
 from kvtui.engines.protocol import DEFAULT_PROMPT
 from kvtui.gpu.load import load_tiny
 from kvtui.text import decode_bytes

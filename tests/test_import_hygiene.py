@@ -7,6 +7,7 @@ also written as import-linter contracts in pyproject.toml, checked here with `li
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 import subprocess
@@ -69,6 +70,43 @@ def test_each_layer_loads_only_what_it_may(layer):
     assert json.loads(done.stdout) == [], f"{layer} loaded {done.stdout.strip()}"
 
 
+FIRST_FRAME = """
+import asyncio, json, sys
+from textual.css.stylesheet import Stylesheet
+from kvtui.app import make_app
+from kvtui.engines.protocol import RunSettings
+
+reparsed = []
+reparse = Stylesheet.reparse
+Stylesheet.reparse = lambda self: reparsed.append(1) or reparse(self)
+
+async def main():
+    probe = {"probe": "null", "description": "no GPU"}  # not kvtui.testing's: it imports screens
+    app = make_app(RunSettings(engine="sim:llama-3.1-8b@h100"), probe=probe, autostart=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await pilot.pause()
+        loaded = sorted(m for m in sys.modules if m.startswith("kvtui.screens.")
+                        or m in ("kvtui.engines.vllm.load", "http.client"))
+        return {"screen": type(app.screen).__name__, "loaded": loaded, "reparsed": len(reparsed)}
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def test_the_app_opens_on_screen_1_with_only_what_it_draws():
+    """The app's first frame waits for screen 1 alone: the other screens' modules (and what only
+    they use: the load's, a server's HTTP client) are imported when first shown, and screen 1 is
+    composed without a restyle (Textual parses the whole stylesheet again on entering a mode)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_FRAME], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    opened = json.loads(done.stdout.strip().splitlines()[-1])
+    assert opened["screen"] == "RecomputeScreen"
+    assert opened["loaded"] == ["kvtui.screens.base", "kvtui.screens.recompute"]
+    assert opened["reparsed"] == 0
+
+
 @pytest.mark.skipif(shutil.which("lint-imports") is None, reason="import-linter is not installed")
 def test_the_import_contracts_hold():
     done = subprocess.run(
@@ -76,3 +114,67 @@ def test_the_import_contracts_hold():
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr
     assert "0 broken" in done.stdout
+
+
+def _kvtui_imports() -> dict[str, set[str]]:
+    """Every kvtui module and the kvtui modules it imports, anywhere in it: at the top, inside
+    functions (deferred) and under TYPE_CHECKING alike."""
+    modules = {}
+    for path in (ROOT / "kvtui").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def known(name: str) -> str | None:  # the module a dotted name is in (a name in it, say)
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        names: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, *([base] if base else [])])
+                names += [base, *(f"{base}.{alias.name}" for alias in node.names)]
+        found = {known(name) for name in names if name.startswith("kvtui")}
+        graph[module] = {m for m in found if m is not None and m != module}
+    return graph
+
+
+def test_no_import_circle_even_through_deferred_imports():
+    """import-linter sees only the imports at the top of a module; a circle through a deferred
+    import (`engines.spec` <-> `engines.hf` once) works until the day it is imported first from
+    the other end. Strongly connected components (Tarjan) of the whole graph: none of two."""
+    graph = _kvtui_imports()
+    assert "kvtui.engines.loops" in graph["kvtui.engines.torch_engine"]  # the walk sees imports
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert circles == []

@@ -34,7 +34,7 @@ from kvtui.engines.protocol import (
     StepSource,
     quiet,
 )
-from kvtui.engines.vllm.client import ServerURL
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.gpu.probe import cuda_visible
 from kvtui.inputs import InputError, user_path

@@ -12,7 +12,7 @@ two loops are the lesson's, run through transformers' own forward pass:
   engine's cache is), and each later step feeds one token at its cache position (`HFCache`);
 - the uncached step runs the whole sequence with `use_cache=False`: the staircase.
 
-They are kvtui.engines.torch_engine's loops (greedy, or seeded top-k with one draw per step), so
+They are kvtui.engines.loops' loops (greedy, or seeded top-k with one draw per step), so
 with the same settings the two emit the same ids. KV bytes are measured from the cache's own key and
 value tensors and match kvtui.sim's formula for the shape `model_from_hf_config` reads from the
 same config.json, the reader `kvtui budget --config` uses.
@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 
 from kvtui.engines.capabilities import TRANSFORMERS
+from kvtui.engines.loops import TorchEngine
 from kvtui.engines.model_files import check_model_files, check_positions, read_model_config
 from kvtui.engines.protocol import FLOP_COUNTER_PHRASE, Progress, RunSettings, quiet
-from kvtui.engines.torch_engine import TorchEngine
 from kvtui.errors import EngineError
 from kvtui.format import error_line, format_bytes
 from kvtui.gpu.counting import PositionCounter, count_flops, flop_counter_warm

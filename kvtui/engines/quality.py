@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kvtui.engines.loops import Sampling, generate, never
+from kvtui.engines.generate import generate
+from kvtui.engines.loops import Sampling, never
 from kvtui.gpu.model import Transformer
 from kvtui.gpu.tricks import prefill_shared, setup_layout_caches
 from kvtui.paths import HELDOUT_TEXT, asset_path

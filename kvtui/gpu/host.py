@@ -1,12 +1,16 @@
 """The memory this process may take on its host, torch-free: the free RAM, and the limits a
 container or a shell sets below it (cgroup v2 and v1, `ulimit -v`). Read by the torch engines'
 pre-checks (kvtui.gpu.device.available_bytes) and by the check before an app opens
-(kvtui.engines.factory.free_memory) alike."""
+(kvtui.engines.factory.free_memory) alike. And handing back what a loop freed
+(`trim_host_memory`), so that an engine's RSS does not climb run after run."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import resource
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtui.errors import EngineError
@@ -102,3 +106,24 @@ def _cgroup_rooms(membership: Path, root: Path) -> list[tuple[int, str]]:
                 break
             folder = folder.parent
     return rooms
+
+
+def trim_host_memory() -> None:
+    """Hand the host memory a finished loop freed back to the system (glibc's `malloc_trim`).
+
+    glibc keeps much of what the uncached loop's long steps freed (the whole sequence's
+    activations: +70 MiB of RSS after 4,000 positions of the tiny model, of which all but 5 MiB
+    is free), so an engine's RSS would climb run after run without it. Elsewhere than glibc, a
+    no-op."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim` from the running process's own symbols; None without glibc."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from kvtui.engines.drive import IDLE_LINE
 from kvtui.engines.factory import parse_engine
@@ -41,9 +41,11 @@ from kvtui.engines.protocol import (
     RunSettings,
     event_from_json,
 )
-from kvtui.engines.vllm.load import LoadPlan
 from kvtui.format import safe_text
 from kvtui.run.live import RUN_UPDATES_PER_SECOND
+
+if TYPE_CHECKING:  # the load's module, a server's client with it, only once a load starts
+    from kvtui.engines.vllm.load import LoadPlan
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 """The kvtui package this module belongs to: the child imports this one, whatever is installed."""

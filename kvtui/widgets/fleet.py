@@ -13,8 +13,8 @@ from textual.widget import Widget
 
 from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import RunStarted
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.fleet import FLEET_DECODE, replica_name
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import format_count, format_int, format_percent, format_seconds, safe_text
 from kvtui.run.fleet import FleetWatch

@@ -11,7 +11,7 @@ from textual.widget import Widget
 
 from kvtui.engines.factory import parse_engine
 from kvtui.engines.protocol import RunStarted
-from kvtui.engines.vllm.client import ServerURL
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import (
     format_bytes,

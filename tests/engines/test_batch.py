@@ -8,7 +8,8 @@ import pytest
 from kvtui.cli import main
 from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
-from kvtui.engines.loops import Sampling, encode_text, generate
+from kvtui.engines.generate import encode_text, generate
+from kvtui.engines.loops import Sampling
 from kvtui.engines.protocol import RunFinished, RunSettings, RunStarted, StepSample
 from kvtui.sim.catalog import get_gpu, get_model
 from kvtui.sim.memory import kv_bytes, weights_bytes

@@ -10,14 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvtui.engines.loops import (
-    Sampling,
-    cached_loop,
-    counts_flops,
-    encode_text,
-    generate,
-    recompute_all,
-)
+from kvtui.engines.generate import encode_text, generate, recompute_all
+from kvtui.engines.loops import Sampling, cached_loop, counts_flops
 from kvtui.gpu.counting import PositionCounter, count_flops
 from kvtui.gpu.load import spec_from_args
 from kvtui.gpu.model import Transformer

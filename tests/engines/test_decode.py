@@ -1,6 +1,7 @@
 import pytest
 
-from kvtui.engines.loops import Sampling, encode_text, generate
+from kvtui.engines.generate import encode_text, generate
+from kvtui.engines.loops import Sampling
 from kvtui.text import Utf8Stream, decode_bytes, encode_bytes
 
 PROMPT = "It is a truth universally acknowledged, that"

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvtui.engines import torch_engine
+from kvtui.engines import loops, torch_engine
 from kvtui.engines.drive import TURN_SECONDS, run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunControl, RunFinished, RunSettings, RunStarted, StepSample
@@ -113,7 +113,7 @@ def test_stop_between_steps_cancels_every_loop():
 
 def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
     engine = open_engine(replace(TINY, loops=("cached",), tokens=50))
-    real_loop = torch_engine.cached_loop
+    real_loop = loops.cached_loop
 
     def failing_loop(model, prompt, n, sampling, counted):
         for step in real_loop(model, prompt, n, sampling, counted):
@@ -121,7 +121,7 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
             yield step
 
-    monkeypatch.setattr(torch_engine, "cached_loop", failing_loop)
+    monkeypatch.setattr(loops, "cached_loop", failing_loop)
     events = list(run_events(engine, engine.settings))
     finished = events[-1]
     assert isinstance(finished, RunFinished) and finished.reason == "out_of_memory"
@@ -129,7 +129,7 @@ def test_out_of_memory_ends_the_loop_cleanly_and_frees_the_cache(monkeypatch):
     assert finished.message == "device out of memory after token 10"
     assert engine.model.kv is None
     # the process goes on: the same engine runs again
-    monkeypatch.setattr(torch_engine, "cached_loop", real_loop)
+    monkeypatch.setattr(loops, "cached_loop", real_loop)
     again = list(run_events(engine, engine.settings))
     assert again[-1].reason == "done"
 

@@ -8,8 +8,8 @@ import pytest
 
 from kvtui.cli import main
 from kvtui.engines.factory import parse_engine
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.fleet import MAX_REPLICAS, parse_urls, replica_name
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 
 A, B = "http://127.0.0.1:8101", "http://127.0.0.1:8102"

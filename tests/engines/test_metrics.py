@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from kvtui.engines.protocol import RunStarted, ServerMetrics, event_from_json, to_json
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.metrics import (
     MAX_METRICS_BYTES,
     MetricsError,
     parse_prometheus,
     server_metrics,
 )
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.run.serving import CapacityCheck, ServerWatch
 

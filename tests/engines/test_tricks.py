@@ -6,7 +6,8 @@ positions the model computed still equal to the (adjusted) formula."""
 import pytest
 import torch
 
-from kvtui.engines.loops import Sampling, counts_flops, generate
+from kvtui.engines.generate import generate
+from kvtui.engines.loops import Sampling, counts_flops
 from kvtui.engines.quality import measure_quality
 from kvtui.gpu.counting import PositionCounter
 from kvtui.gpu.load import spec_from_args

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvtui.engines.protocol import RunStarted, ServerMetrics
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.load import fill_plan
 from kvtui.engines.vllm.metrics import server_metrics
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.run.pressure import fill_words
 from kvtui.run.served_layout import read_layout
 from kvtui.run.serving import CapacityCheck, ServerWatch

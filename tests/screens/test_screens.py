@@ -351,9 +351,15 @@ async def test_too_small_says_how_large():
 async def test_screens_switch_with_number_keys():
     app = build(1)
     async with app.run_test(size=SIZE) as pilot:
+        first = app.screen
         for key, kind in (("2", CacheScreen), ("3", MemoryScreen), ("1", RecomputeScreen)):
             await pilot.press(key)
             assert isinstance(app.screen, kind)
+        assert app.screen is first  # screen 1 is the one the app opened on, not a second
+        seen = {}
+        for key in "23412341":  # each screen is built once, and kept
+            await pilot.press(key)
+            assert seen.setdefault(key, app.screen) is app.screen
 
 
 async def test_streams_show_the_run():

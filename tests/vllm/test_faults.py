@@ -18,8 +18,8 @@ from kvtui.cli import main
 from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunControl, RunFinished, RunSettings, ServerMetrics, StepSample
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.load import FILL_WAVES, MAX_CONCURRENCY, fill_plan
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.testing import NO_GPU_PROBE, drive, headless, screen_text, wait_for
 
 from .fake import FakeVLLM

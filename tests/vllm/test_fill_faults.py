@@ -12,8 +12,8 @@ import pytest
 
 from kvtui.cli import main
 from kvtui.engines.vllm import client
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.load import LoadPlan, run_load
+from kvtui.engines.vllm.url import ServerURL
 
 from .fake import FakeVLLM
 

@@ -21,8 +21,9 @@ from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunControl, RunFinished, RunSettings, StepSample
 from kvtui.engines.vllm import client
-from kvtui.engines.vllm.client import Server, ServerError, ServerURL
+from kvtui.engines.vllm.client import Server, ServerError
 from kvtui.engines.vllm.metrics import server_metrics
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
 
 from .fake import METRICS, FakeVLLM

@@ -11,8 +11,8 @@ import pytest
 from kvtui.app import make_app
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunSettings
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.load import LoadPlan, run_load
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.reports.bench import run_bench
 from kvtui.run.serving import CapacityCheck, ServerWatch
 from kvtui.testing import NO_GPU_PROBE, notifications_in, screen_text, wait_for

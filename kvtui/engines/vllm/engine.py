@@ -56,9 +56,9 @@ from kvtui.engines.vllm.client import (
     STREAM_IDLE_S,
     Server,
     ServerError,
-    ServerURL,
 )
 from kvtui.engines.vllm.metrics import MAX_METRICS_BYTES, MetricsError, server_metrics
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import error_line
 from kvtui.sim.catalog import ConfigError, ModelSpec, activation_dtype

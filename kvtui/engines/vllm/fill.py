@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 
 from kvtui.engines.protocol import ServerMetrics
-from kvtui.engines.vllm.client import Server, ServerError, ServerURL
+from kvtui.engines.vllm.client import Server, ServerError
 from kvtui.engines.vllm.engine import read_served
 from kvtui.engines.vllm.load import LoadPlan, fill_plan
 from kvtui.engines.vllm.metrics import MAX_METRICS_BYTES, MetricsError, server_metrics
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 
 

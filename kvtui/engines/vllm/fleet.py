@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from kvtui.engines.vllm.client import ServerURL
 from kvtui.engines.vllm.load import LoadPlan, LoadResult, run_load
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import safe_text
 

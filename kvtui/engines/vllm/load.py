@@ -30,9 +30,9 @@ from kvtui.engines.vllm.client import (
     MAX_LINE_BYTES,
     Server,
     ServerError,
-    ServerURL,
 )
 from kvtui.engines.vllm.engine import BYTES_PER_TOKEN, are_token_ids, first_choice, read_served
+from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import error_line
 
