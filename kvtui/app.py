@@ -475,40 +475,21 @@ def make_app(
     settings: RunSettings | None = None,
     screen: int = 1,
     *,
-    probe: dict[str, Any] | None = None,
     engine_factory: EngineFactory | None = None,
-    autostart: bool = True,
-    present: bool = False,
-    theme: str = "dark",
-    table_factory: TableFactory = TableProcess,
-    kv_events: str | None = None,
+    **options: Any,
 ) -> KVApp:
-    """The one factory that builds the app, for the CLI and for the tests."""
-    config = AppConfig(
-        settings=settings or RunSettings(),
-        screen=screen,
-        probe=probe,
-        autostart=autostart,
-        present=present,
-        theme=theme,
-        table_factory=table_factory,
-        kv_events=kv_events,
-    )
+    """The one factory that builds the app, for the CLI and for the tests; `options` are
+    AppConfig's other fields (probe, autostart, present, theme, table_factory, kv_events)."""
+    config = AppConfig(settings=settings or RunSettings(), screen=screen, **options)
     return KVApp(config, engine_factory)
 
 
-def run_app(
-    settings: RunSettings,
-    screen: int = 1,
-    *,
-    present: bool = False,
-    theme: str = "dark",
-    kv_events: str | None = None,
-) -> int:
+def run_app(settings: RunSettings, screen: int = 1, **options: Any) -> int:
     """Open the app on a screen, run it, and return its exit code; SIGINT, SIGTERM and SIGHUP
-    end it as `q` does, with the code a shell expects (kvtui.terminal.ended_by_signals)."""
+    end it as `q` does, with the code a shell expects (kvtui.terminal.ended_by_signals).
+    `options`: AppConfig's (present, theme, kv_events)."""
     try:
-        app = make_app(settings, screen, present=present, theme=theme, kv_events=kv_events)
+        app = make_app(settings, screen, **options)
     except DriverError as exc:
         raise UsageError(f"kvtui: {exc}") from None
     with ended_by_signals(app.exit, lambda: app.engines.close(timeout=0.5)):
