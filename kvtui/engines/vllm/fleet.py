@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from kvtui.engines.vllm.load import LoadPlan, LoadResult, run_load
 from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import safe_text
+
+if TYPE_CHECKING:  # the load (and its HTTP client) only where one runs: the app's first frame
+    from kvtui.engines.vllm.load import LoadPlan, LoadResult
 
 MAX_REPLICAS = 8
 """The most servers one `vllm:` watches: each is a thread polling twice a second, and a row on
@@ -64,13 +67,15 @@ def replica_name(urls: Sequence[ServerURL], replica: int) -> str:
     return f"replica {replica + 1} ({urls[replica].netloc}{urls[replica].prefix})"
 
 
-Progress = Callable[[ServerURL, LoadResult, int], None]
+Progress = Callable[[ServerURL, "LoadResult", int], None]
 
 
 def run_loads(plans: Sequence[LoadPlan], progress: Progress | None = None) -> list[LoadResult]:
     """Each plan run on its own server at the same time (a thread each, each bounded by its own
     plan); their results in the plans' order. A load that fails outright (its server refused the
     first request as a `EngineError`) is raised once every load has ended."""
+    from kvtui.engines.vllm.load import run_load
+
     results: list[LoadResult | None] = [None] * len(plans)
     errors: list[EngineError | None] = [None] * len(plans)
     stop = threading.Event()
