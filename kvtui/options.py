@@ -468,8 +468,8 @@ def add_layout_options(group: Any) -> None:
 
 
 def kv_events_endpoint(text: str) -> str:
-    """--kv-events: a tcp://HOST:PORT to bind, and the server's replay socket where given
-    (kvtui.engines.vllm.events.parse_events), as kvtui writes them."""
+    """--kv-events: a tcp://HOST:PORT to bind, the server's replay socket and its data-parallel
+    ranks where given (kvtui.engines.vllm.events.parse_events), as kvtui writes them."""
     try:
         return events_text(*parse_events(argv_text(text)))
     except EventsError as exc:
@@ -491,7 +491,9 @@ def check_kv_events(endpoint: str | None, settings: RunSettings) -> None:
         )
     try:
         require_libraries()
-        check_bind(parse_events(endpoint)[0])
+        first, _, ranks = parse_events(endpoint)
+        for rank in range(ranks):
+            check_bind(first.for_rank(rank))
     except EventsError as exc:
         raise UsageError(f"kvtui: {exc}") from None
 

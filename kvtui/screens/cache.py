@@ -66,8 +66,8 @@ class CacheScreen(WorkScreen):
         self.events_error = ""
         if kv_events:
             try:
-                endpoint, replay = parse_events(kv_events)
-                self.server_blocks = ServerBlocksFeed(endpoint, replay=replay)
+                endpoint, replay, ranks = parse_events(kv_events)
+                self.server_blocks = ServerBlocksFeed(endpoint, ranks=ranks, replay=replay)
             except EventsError as exc:
                 self.events_error = str(exc)
 

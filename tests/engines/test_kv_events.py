@@ -149,10 +149,37 @@ def test_a_replay_endpoint_is_parsed_after_the_endpoint() -> None:
     from kvtui.engines.vllm.events import events_text, parse_events
 
     text = "tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"
-    assert parse_events(text) == (Endpoint("127.0.0.1", 5557), Endpoint("127.0.0.1", 5558))
+    assert parse_events(text) == (Endpoint("127.0.0.1", 5557), Endpoint("127.0.0.1", 5558), 1)
     assert events_text(*parse_events(text)) == text
-    assert parse_events("tcp://127.0.0.1:5557") == (Endpoint("127.0.0.1", 5557), None)
-    with pytest.raises(EventsError, match="expected replay=tcp://HOST:PORT, not again"):
+    assert parse_events("tcp://127.0.0.1:5557") == (Endpoint("127.0.0.1", 5557), None, 1)
+    with pytest.raises(EventsError, match="expected replay=tcp://HOST:PORT or ranks=N"):
         parse_events("tcp://127.0.0.1:5557,again")
     with pytest.raises(EventsError, match="with a port"):
         parse_events("tcp://127.0.0.1:5557,replay=tcp://127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("tcp://127.0.0.1:5557,ranks=0", "ranks= takes 1 to 16, not 0"),
+        ("tcp://127.0.0.1:5557,ranks=17", "ranks= takes 1 to 16, not 17"),
+        ("tcp://127.0.0.1:5557,ranks=²", "ranks= takes 1 to 16"),
+        ("tcp://127.0.0.1:5557,ranks=2,ranks=2", "each once"),
+        ("tcp://127.0.0.1:65535,ranks=2", "2 ranks from port 65535 pass port 65535"),
+    ],
+)
+def test_a_data_parallel_servers_ranks_are_bound_each_on_its_port(text: str, says: str) -> None:
+    """vLLM's data-parallel rank r publishes on the endpoint's port + r: `ranks=N` binds each
+    (the issue's DP server sent rank 1's events where kvtui never listened)."""
+    from kvtui.engines.vllm.events import events_text, parse_events
+
+    given = "tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5600,ranks=2"
+    first, replay, ranks = parse_events(given)
+    assert (first.for_rank(1), replay, ranks) == (
+        Endpoint("127.0.0.1", 5558),
+        Endpoint("127.0.0.1", 5600),
+        2,
+    )
+    assert events_text(first, replay, ranks) == given
+    with pytest.raises(EventsError, match=says):
+        parse_events(text)

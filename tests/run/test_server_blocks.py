@@ -196,3 +196,25 @@ def test_a_message_past_the_bound_is_never_read_and_becomes_a_gap(
     wait_until(arrived)
     view = wait_until(lambda: (v := feed.view()).stored == 1 and v)
     assert view.refused == 0 and view.missed == 1 and view.held == 1
+
+
+def test_a_data_parallel_servers_ranks_are_heard_each_on_its_port() -> None:
+    """`--kv-events ENDPOINT,ranks=2`: rank 1 publishes on the port after ENDPOINT's (vLLM's
+    offset), with sequence numbers of its own; both ranks' blocks are held, and no gap is said
+    where the two sequences interleave."""
+    endpoint = parse_endpoint(free_endpoint())
+    feed = ServerBlocksFeed(endpoint, ranks=2)
+    ranks = [StandIn(str(endpoint)), StandIn(str(endpoint.for_rank(1)))]
+    try:
+        for standin in ranks:
+            standin.join(feed)
+        ranks[0].send(1, [stored([1], ABCD)], rank=0)
+        ranks[1].send(1, [stored([2], EFGH)], rank=1)
+        ranks[1].send(2, [stored([3], list(b"wxyz"), parent=2)], rank=1)
+        view = wait_until(lambda: (v := feed.view()).stored == 3 and v)
+        assert view.held == 3 and not view.gaps
+        assert feed.prefix_tokens(EFGH + list(b"wxyz") + [0]) == 8  # rank 1's chain
+    finally:
+        for standin in ranks:
+            standin.close()
+        feed.close()

@@ -100,24 +100,47 @@ def parse_endpoint(text: str) -> Endpoint:
     return Endpoint(str(address), port)
 
 
-def parse_events(text: str) -> tuple[Endpoint, Endpoint | None]:
-    """`--kv-events`: `ENDPOINT` or `ENDPOINT,replay=REPLAY`, REPLAY the server's replay socket
-    (its --kv-events-config `replay_endpoint`, a ROUTER it binds: kvtui connects there to ask
-    for the batches a gap lost). `EventsError` in one line otherwise."""
-    endpoint, comma, rest = text.partition(",")
-    if not comma:
-        return parse_endpoint(endpoint), None
-    if not rest.startswith("replay="):
-        shown = safe_text(rest[:100], one_line=True)
-        raise EventsError(
-            f"--kv-events: after the endpoint, expected replay=tcp://HOST:PORT, not {shown}"
-        )
-    return parse_endpoint(endpoint), parse_endpoint(rest[len("replay=") :])
+MAX_RANKS = 16
+"""The most data-parallel ranks `--kv-events ...,ranks=N` binds a port for."""
 
 
-def events_text(endpoint: Endpoint, replay: Endpoint | None) -> str:
+def parse_events(text: str) -> tuple[Endpoint, Endpoint | None, int]:
+    """`--kv-events`: `ENDPOINT`, then `,replay=REPLAY` and `,ranks=N` where given: REPLAY the
+    server's replay socket (its --kv-events-config `replay_endpoint`, a ROUTER it binds: kvtui
+    connects there to ask for the batches a gap lost); N the server's data-parallel ranks, rank r
+    publishing on ENDPOINT's port + r (vLLM's), each bound. `EventsError` in one line otherwise."""
+    endpoint, *options = text.split(",")
+    replay: Endpoint | None = None
+    ranks = 1
+    named: set[str] = set()
+    for option in options:
+        name, equals, value = option.partition("=")
+        if not equals or name not in ("replay", "ranks") or name in named:
+            shown = safe_text(option[:100], one_line=True)
+            raise EventsError(
+                "--kv-events: after the endpoint, expected replay=tcp://HOST:PORT or ranks=N "
+                f"(each once), not {shown}"
+            )
+        named.add(name)
+        if name == "replay":
+            replay = parse_endpoint(value)
+        elif (
+            value.isascii() and value.isdigit() and len(value) <= 3 and 1 <= int(value) <= MAX_RANKS
+        ):
+            ranks = int(value)
+        else:
+            shown = safe_text(value[:20], one_line=True)
+            raise EventsError(f"--kv-events: ranks= takes 1 to {MAX_RANKS}, not {shown}")
+    point = parse_endpoint(endpoint)
+    if point.port + ranks - 1 > 65_535:
+        raise EventsError(f"--kv-events: {ranks} ranks from port {point.port} pass port 65535")
+    return point, replay, ranks
+
+
+def events_text(endpoint: Endpoint, replay: Endpoint | None, ranks: int = 1) -> str:
     """`parse_events`'s input, as kvtui writes it."""
-    return str(endpoint) if replay is None else f"{endpoint},replay={replay}"
+    text = str(endpoint) if replay is None else f"{endpoint},replay={replay}"
+    return text if ranks == 1 else f"{text},ranks={ranks}"
 
 
 def check_bind(endpoint: Endpoint) -> None:
