@@ -194,3 +194,48 @@ def test_a_data_parallel_replica_s_row_says_its_prediction_per_engine_and_its_pr
     lines = [text for text, _ in fleet_lines(fleet, started(), URLS)]
     assert lines[2] == "2 127.0.0.1:8102 · 3,840 = 60 x 64 tokens · kvtui 30 x 2 engines: agree"
     assert lines[3].endswith("· prefix caching off")
+
+
+OLDER_VLLM = """# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.5
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="m"} 1.0
+# TYPE vllm:gpu_prefix_cache_queries_total counter
+vllm:gpu_prefix_cache_queries_total{model_name="m"} 200.0
+# TYPE vllm:gpu_prefix_cache_hits_total counter
+vllm:gpu_prefix_cache_hits_total{model_name="m"} 50.0
+"""
+"""An older vLLM's names (before 0.32: `gpu_cache_usage_perc`, `gpu_prefix_cache_*`), no
+cache_config_info."""
+
+
+def test_a_fleet_of_mixed_versions_reads_each_replica_under_its_own_names():
+    """Replicas of different releases behind one router: vLLM 0.32 (a real text), an older vLLM,
+    and SGLang 0.5.23 (its collectors' text). Each row reads its own names; the totals weigh
+    only the replicas whose capacity is known, and say so by their count."""
+    from pathlib import Path
+
+    from kvtui.engines.vllm.metrics import server_metrics
+
+    data = Path(__file__).parents[1] / "engines" / "data"
+    urls = parse_urls("http://127.0.0.1:8101,http://127.0.0.1:8102,http://127.0.0.1:30000")
+    texts = [
+        (data / "vllm-0.32-busy.txt").read_text(),
+        OLDER_VLLM,
+        (data / "sglang-0.5.23-busy.txt").read_text(),
+    ]
+    fleet = FleetWatch()
+    for replica, text in enumerate(texts):
+        fleet.add(replace(server_metrics(text, 1.0), replica=replica, model="m"))
+    newest, older, sglang = (watch.latest for watch in fleet.replicas)
+    assert newest.kv_blocks == 40 and newest.kv_usage is not None
+    assert older.kv_usage == 0.5 and older.kv_blocks is None and older.requests_running == 3
+    assert sglang.kv_capacity_tokens and sglang.kv_usage is not None
+    lines = [text for text, _ in fleet_lines(fleet, started(), urls)]
+    assert lines[2].startswith("2 127.0.0.1:8102 · capacity not reported")
+    assert lines[3].startswith("  KV 50% (peak 50%) · 3 run, 1 wait")
+    assert lines[4].startswith("3 127.0.0.1:30000 · ")
+    assert lines[6].startswith("Sum of 3/3 answering: ")
