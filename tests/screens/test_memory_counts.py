@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from conftest import PROBE, notifications, screen_text, wait_for
-from fakes import FakeEngine, measured_events
+from conftest import PROBE, notifications, wait_for
+from fakes import measured_events
+from test_memory_live import finished as done
+from test_memory_live import sim_app, words
 
 from kvtui.app import make_app
-from kvtui.engines.drive import run_events
-from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunSettings, RunStarted
 from kvtui.paths import asset_path
 from kvtui.testing import ScriptedEngine
@@ -23,23 +23,6 @@ SIZE = (100, 30)
 SIM = RunSettings(engine="sim:llama-3.1-8b@h100", tokens=64, replay_speed=0)
 PER_TOKEN = 131_072  # Llama 3.1 8B, bf16
 BLOCK = 16 * PER_TOKEN  # 2 MiB
-
-
-def sim_app(settings: RunSettings):
-    """The app over the real roofline engine, its events computed in this process."""
-
-    def engine(s: RunSettings) -> FakeEngine:
-        return FakeEngine(s, events=list(run_events(open_engine(s), s)))
-
-    return make_app(settings, 3, probe=PROBE, engine_factory=engine)
-
-
-def words(app) -> str:
-    return " ".join(screen_text(app).split())
-
-
-def done(app) -> bool:
-    return app.live.state in ("done", "failed")
 
 
 def bar(app) -> VramBar:
