@@ -4,9 +4,8 @@ A torch decode thread and a Textual UI in one process fight for the GIL: in a tr
 machine decode fell from ~330 to ~157 tokens/s and the 99th-percentile step rose to 65 ms. So the
 engine runs as `python -m kvtui.engines.drive`: the parent writes the `RunSettings` as one JSON
 line on the child's stdin, then `pause`, `resume` or `stop` lines; the child writes each event as
-one JSON line on its stdout. A CUDA failure stays in the child.
-(`multiprocessing` started from inside a running Textual app failed with "bad value(s) in
-fds_to_keep"; a plain `subprocess.Popen` with pipes does not.)
+one JSON line on its stdout. A CUDA failure stays in the child. (`multiprocessing` started from
+inside a running Textual app failed with "bad value(s) in fds_to_keep"; `subprocess` does not.)
 
 The child runs no code from where the app was started: it starts isolated (`python -I`: neither
 the current directory nor PYTHONPATH on `sys.path`, no PYTHON* variables), in `/`, and imports
