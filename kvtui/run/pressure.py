@@ -97,9 +97,14 @@ class Pressure:
         return self.busy_polls > 0
 
     def held_back(self) -> bool:
-        """Requests waited while the cache never came near full: something other than the
-        cache (how many sequences run at once) held them."""
-        return self.queued_polls > 0 and self.most_usage_queued < FULL
+        """Requests waited while the cache never came near full, and vLLM never preempted (it
+        does only when it has no block to give: the cache was full between two polls):
+        something other than the cache (how many sequences run at once) held them."""
+        return self.queued_polls > 0 and self.most_usage_queued < FULL and not self.preempted
+
+    def filled(self, peak_usage: float) -> bool:
+        """Whether the cache was full while watched: a poll saw it so, or vLLM preempted."""
+        return peak_usage >= FULL or self.preempted > 0
 
     def limit_words(self, capacity_tokens: int | None, max_model_len: int | None) -> str:
         """Why requests waited with room in the cache, in words (empty where they did not)."""
@@ -154,7 +159,12 @@ def fill_words(
     not, in a few lines (every figure the server's, from the polls while it ran)."""
     if not pressure.peak_seen:
         return ["vLLM's cache: no poll caught a request running (the load was shorter than a poll)"]
-    full = "full" if peak_usage >= FULL else "not full"
+    if peak_usage >= FULL:
+        full = "full"
+    elif pressure.preempted:
+        full = "full between polls: vLLM preempts only when it has no block to give"
+    else:
+        full = "not full"
     lines = [
         f"vLLM's cache: peak {peak_usage:.0%} ({full}), {pressure.preempted:,} preemptions "
         "while watched"
@@ -164,7 +174,7 @@ def fill_words(
         for w in (pressure.burst_words(), pressure.limit_words(capacity_tokens, max_model_len))
         if w
     ]
-    if peak_usage < FULL and not pressure.held_back():
+    if not pressure.filled(peak_usage) and not pressure.held_back():
         lines.append(
             "no request waited with the cache below full: the load asked for less than it holds"
             if not pressure.queued_polls

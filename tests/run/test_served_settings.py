@@ -213,6 +213,23 @@ def test_a_full_cache_that_preempted_has_no_limit_to_explain():
     assert lines[0] == "vLLM's cache: peak 100% (full), 4 preemptions while watched"
 
 
+def test_polls_that_missed_the_full_cache_still_say_it_filled_when_vllm_preempted():
+    """A busy machine's polls, seconds apart (CI's): 4 running and 12 waiting at 92%, then 52
+    preemptions. vLLM preempts only when it has no block to give, so the cache was full between
+    two polls: not "not full", and no limit on sequences inferred from the waits (FIRST has
+    none: it read "at most 4 running while others waited ... a limit on sequences at once")."""
+    watch = ServerWatch()
+    for p in (poll(0.0, 0.0, 0, 0, 0), poll(20.0, 0.92, 4, 12, 0), poll(42.7, 0.0, 0, 0, 52)):
+        watch.add(p)
+    assert watch.pressure.limit_words(1280, 512) == ""
+    lines = fill_words(watch.peak_usage, watch.pressure, 1280, 512)
+    assert lines[0] == (
+        "vLLM's cache: peak 92% (full between polls: vLLM preempts only when it has no block to "
+        "give), 52 preemptions while watched"
+    )
+    assert not any("waited" in line for line in lines)
+
+
 @pytest.mark.parametrize(
     ("capacity", "max_model_len"), [(320, 256), (1280, 512), (3840, 256), (500_000, 8192)]
 )

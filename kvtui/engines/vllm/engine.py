@@ -75,8 +75,9 @@ MAX_PROMPT_TOKENS = 1_000_000
 MAX_MODEL_LEN = 2**32
 """The longest max_model_len taken from a server (past it, as a length not said): past any
 model's, and within what a record holds."""
-LAST_POLL_S = 2.0
-"""How long the last poll of each of a fleet's other replicas may take at the run's end."""
+LAST_POLL_S = 5.0
+"""How long the last poll of each of a fleet's other replicas may take at the run's end (a
+data-parallel server on a busy 2-core machine took more than 2 s to answer)."""
 PATH_MAX = 4096
 """The longest served path looked for on this machine (Linux's PATH_MAX)."""
 OPEN_DEADLINE_S = 15.0
