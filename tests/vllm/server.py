@@ -109,6 +109,24 @@ one: the one the run's controller started, or one started by hand while working 
 EXTERNAL_LOG = FIRST.log_variable
 
 
+_export: Path | None = None
+
+
+def shared_export() -> Path:
+    """The shipped model, exported once for every server this process starts: a fleet's
+    replicas serve one model under one name (its path), as kvtui checks they do (servers of
+    two exports read as two models, and no prediction is made for the second)."""
+    global _export
+    if _export is None:
+        from kvtui.gpu.export import export_hf
+
+        folder = Path(tempfile.mkdtemp(prefix="kvtui-vllm-model-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        export_hf(folder / "tiny-austen")
+        _export = folder / "tiny-austen"
+    return _export
+
+
 def vllm_python(setting: Setting = FIRST) -> str | None:
     """The Python that has vLLM (or "external" where the setting's server is given), or None."""
     if os.environ.get(setting.url_variable):
@@ -135,7 +153,8 @@ class VLLMServer:
         self.setting = setting
         self.external = os.environ.get(setting.url_variable, "")
         self.folder = Path(tempfile.mkdtemp(prefix=f"kvtui-vllm-{setting.name}-"))
-        self.model = self.folder / "tiny-austen"
+        self.model: Path | None = None
+        """The export it serves (`shared_export`), once started here."""
         self.log = Path(os.environ.get(setting.log_variable) or self.folder / "server.log")
         self.port = _free_port()
         self.url = self.external or f"http://127.0.0.1:{self.port}"
@@ -171,12 +190,10 @@ class VLLMServer:
                 os.environ.pop(name, None)
 
     def start(self) -> None:
-        from kvtui.gpu.export import export_hf
-
         self.started_at = time.monotonic()
         if self.external:
             return
-        export_hf(self.model)
+        self.model = shared_export()
         env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
@@ -232,8 +249,8 @@ class VLLMServer:
             return "(no log)"
 
     def stop(self) -> None:
-        """End the server's process group (SIGTERM, then SIGKILL after 30 s) and remove the
-        export and the log (a failed start has already quoted the log)."""
+        """End the server's process group (SIGTERM, then SIGKILL after 30 s) and remove its log
+        (a failed start has already quoted it; the export goes when the process ends)."""
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):

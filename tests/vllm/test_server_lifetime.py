@@ -34,7 +34,7 @@ sys.path.insert(0, {str(ROOT)!r})
 from tests.vllm.server import VLLMServer
 server = VLLMServer({str(fake_python)!r})
 server.start()
-print(server.proc.pid, server.folder, flush=True)
+print(server.proc.pid, server.folder, server.model.parent, flush=True)
 time.sleep(120)
 """
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -44,13 +44,14 @@ time.sleep(120)
     )
     try:
         assert test_process.stdout is not None
-        pid, folder = test_process.stdout.readline().split(maxsplit=1)
+        pid, folder, export = test_process.stdout.readline().split()
         server = int(pid)
         assert _alive(server)
     finally:
         test_process.kill()  # as a CI limit kills a run: nothing of it runs after
         test_process.wait()
-    shutil.rmtree(folder.strip(), ignore_errors=True)  # its export, which its stop would remove
+    for left in (folder, export):  # its log and export, which its stop and exit would remove
+        shutil.rmtree(left, ignore_errors=True)
     deadline = time.monotonic() + 10
     while _alive(server) and time.monotonic() < deadline:
         time.sleep(0.05)
