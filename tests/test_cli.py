@@ -731,7 +731,8 @@ def test_the_app_draws_its_title_card_before_the_app_and_leaves_the_terminal_as_
         assert "starting kvtui..." in before_app and "██" in before_app
         term.read_until(lambda: b"space" in term.seen.split(MOUSE_ON)[-1], 60)  # its first frame
         term.press(b"q")
-        assert term.process.wait(30) == 0
+        term.read_until(lambda: term.process.poll() is not None, 30)  # as it ends, read on
+        assert term.process.wait(5) == 0
         term.read_until(lambda: False, 0.5)
         assert term.seen.rstrip(b"\r\n").endswith(b"\x1b[?1049l")  # the terminal's own screen
 
@@ -743,8 +744,11 @@ def test_a_terminal_that_says_it_is_0x0_gets_the_app_without_the_title_card():
         term.read_until(lambda: MOUSE_ON in term.seen, 60)  # the app draws
         assert MOUSE_ON in term.seen, term.seen[-2000:]
         assert b"Traceback" not in term.seen and b"starting kvtui" not in term.seen
+        term.read_until(lambda: b"space" in term.seen.split(MOUSE_ON)[-1], 60)  # its first frame
         term.press(b"q")
-        assert term.process.wait(30) == 0
+        # read on while it ends: an app whose frame fills the pty's buffer waits for a reader
+        term.read_until(lambda: term.process.poll() is not None, 30)
+        assert term.process.wait(5) == 0
 
 
 def test_budget_caps_the_longest_context_at_the_models_positions_and_says_which_binds(capsys):
