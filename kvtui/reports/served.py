@@ -167,16 +167,31 @@ def fill_from_server(url: Any, args: argparse.Namespace) -> tuple[Any, list[str]
         plan, seconds=args.seconds, seed=args.seed, requests=args.requests or plan.requests
     )
     watch = ServerWatch()
-    watch.add(poll_metrics(url, 0.0))
+    errors: list[str] = []
 
-    def progress(result: Any, open_requests: int) -> None:
-        watch.add(poll_metrics(url, time.monotonic() - start, until=time.monotonic() + 2.0))
+    def poll(deadline_s: float = FILL_POLL_S) -> None:
+        polled = poll_metrics(url, time.monotonic() - start, until=time.monotonic() + deadline_s)
+        if polled.error:
+            errors.append(polled.error)
+        watch.add(polled)
 
-    result = run_load(plan, progress=progress)
-    watch.add(poll_metrics(url, time.monotonic() - start))
+    poll()
+    result = run_load(plan, progress=lambda result, open_requests: poll())
+    poll()
     latest = watch.latest
     capacity = latest.kv_capacity_tokens if latest is not None else None
-    return result, list(fill_words(watch.peak_usage, watch.pressure, capacity, max_model_len))
+    words = list(fill_words(watch.peak_usage, watch.pressure, capacity, max_model_len))
+    if not watch.pressure.peak_seen and errors:  # not a load too short: polls that failed
+        words[0] = (
+            f"vLLM's cache: not seen while the load ran: {len(errors):,} of {watch.polls:,} "
+            f"polls of /metrics failed (the last: {errors[-1]})"
+        )
+    return result, words
+
+
+FILL_POLL_S = 5.0
+"""How long each of a fill's polls of /metrics may take (a server busy with the fill, on a busy
+2-core machine, took more than 2 s)."""
 
 
 def add_load(subparsers: Any) -> None:

@@ -75,6 +75,33 @@ def test_a_load_alone_is_sized_from_the_server_and_says_whether_it_filled(capsys
     assert "vLLM's cache: peak" in out  # the stand-in's text says 100% and 9 waiting
 
 
+def test_a_load_whose_polls_all_failed_says_so_not_that_it_was_too_short(capsys, monkeypatch):
+    """On CI's busy machine every poll of /metrics during a 22 s fill missed its deadline, and
+    the verdict read "no poll caught a request running (the load was shorter than a poll)"."""
+    import kvtui.engines.vllm.fill as fill
+    from kvtui.engines.protocol import ServerMetrics
+
+    real, calls = fill.poll_metrics, []
+
+    def slow(url, seconds, *, until=float("inf")):
+        calls.append(seconds)
+        if len(calls) == 1:  # the plan's own read of the capacity
+            return real(url, seconds, until=until)
+        return ServerMetrics(seconds, error=f"{url}/metrics: no answer in time")
+
+    monkeypatch.setattr(fill, "poll_metrics", slow)
+    server = FakeVLLM(token_delay_s=0.0).start()
+    try:
+        code = main(["load", server.url, "--seconds", "30", "--requests", "4"])
+    finally:
+        server.close()
+    out = capsys.readouterr().out
+    assert code == 0 and "4 done" in out, out
+    assert "shorter than a poll" not in out, out
+    assert "vLLM's cache: not seen while the load ran: " in out, out
+    assert "polls of /metrics failed (the last: " in out and "no answer in time)" in out, out
+
+
 def words(screen: str) -> str:
     """A screen's words in one line: its wrapped lines joined, the panels' borders dropped."""
     return " ".join(screen.replace("│", " ").split())
