@@ -157,7 +157,7 @@ def fill_words(
 ) -> list[str]:
     """Whether a load filled the server's cache and made it preempt, and why not where it did
     not, in a few lines (every figure the server's, from the polls while it ran)."""
-    if not pressure.peak_seen:
+    if not pressure.peak_seen and not pressure.preempted:  # (its counter rising is its word)
         return ["vLLM's cache: no poll caught a request running (the load was shorter than a poll)"]
     if peak_usage >= FULL:
         full = "full"
@@ -166,7 +166,8 @@ def fill_words(
     else:
         full = "not full"
     lines = [
-        f"vLLM's cache: peak {peak_usage:.0%} ({full}), {pressure.preempted:,} preemptions "
+        f"vLLM's cache: peak {f'{peak_usage:.0%}' if pressure.peak_seen else 'not seen'} "
+        f"({full}), {pressure.preempted:,} preemptions "
         "while watched"
     ]
     lines += [

@@ -230,6 +230,20 @@ def test_polls_that_missed_the_full_cache_still_say_it_filled_when_vllm_preempte
     assert not any("waited" in line for line in lines)
 
 
+def test_a_preemption_counter_that_rose_between_idle_polls_still_says_the_cache_filled():
+    """On CI no poll of a 32 s fill caught a request running, yet vLLM's counter had risen by the
+    poll after it: the verdict read "the load was shorter than a poll"; the counter is the
+    server's word that the cache filled."""
+    watch = ServerWatch()
+    for p in (poll(0.0, 0.0, 0, 0, 0), poll(31.6, 0.0, 0, 0, 22)):
+        watch.add(p)
+    lines = fill_words(watch.peak_usage, watch.pressure, 3840, 1024)
+    assert lines[0] == (
+        "vLLM's cache: peak not seen (full between polls: vLLM preempts only when it has no "
+        "block to give), 22 preemptions while watched"
+    )
+
+
 @pytest.mark.parametrize(
     ("capacity", "max_model_len"), [(320, 256), (1280, 512), (3840, 256), (500_000, 8192)]
 )
