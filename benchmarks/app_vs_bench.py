@@ -3,8 +3,9 @@
 Three measurements, each in a real terminal (a detached tmux session), none of them a test:
 
 (a) first frame: wall seconds from the start of `python -m kvtui --engine sim:llama-3.1-8b@h100`
-    to the first frame, seen by polling `tmux capture-pane` every few milliseconds for the lesson
-    title (the pane's shell writes the start time, then execs python).
+    to the first frame, the lesson title, seen as first_token.py sees it: the pane read each time
+    it writes, through a tmux control-mode client (the pane's shell writes the start time, then
+    execs python).
 (b) decode tokens/s with the app open against headless `kvtui bench`, same engine and settings
     (`tiny`, cpu, 1 torch thread, 256 tokens, seed 0), cached loop. Headless: `python -m kvtui bench
     --json`, cached `tokens_per_s` (steps / the sum of their step_seconds). App: this script runs
@@ -134,16 +135,19 @@ def _python_env() -> str:
 
 
 def first_frame(size: tuple[int, int], timeout: float = 30.0) -> float | None:
-    """Seconds from the process's start to the first frame of `python -m kvtui` (sim engine)."""
+    """Seconds from the process's start to the first frame of `python -m kvtui` (sim engine),
+    seen as first_token.py sees it (its pane read through a tmux control-mode client)."""
+    from first_token import Pane as WatchedPane
+    from first_token import watch
+
     with tempfile.TemporaryDirectory() as tmp:
         start_file = Path(tmp) / "start"
         command = f"date +%s.%N > {_quote(str(start_file))}; {_python_env()} exec " + _quote(
             sys.executable, "-m", "kvtui", "--engine", "sim:llama-3.1-8b@h100"
         )
-        with Pane(command, size) as pane:
-            seen = pane.wait_for(FIRST_FRAME_MARK, timeout)
-            pane.keys("q")
-            time.sleep(0.3)
+        with WatchedPane(command, size, REPO) as pane:
+            seen = watch(pane, lambda text: FIRST_FRAME_MARK in text, timeout, [])
+            pane.quit(timeout)
         if seen is None or not start_file.exists():
             return None
         return seen - float(start_file.read_text().strip())

@@ -1,8 +1,8 @@
 """Dead air: how long a person waits for the first token, at launch and after `l`. Not a test.
 
 In a real terminal (a detached tmux session on a tmux server of its own), `python -m kvtui
---lesson` with the shipped model (`tiny`, cpu, 1 torch thread) is started, and its pane polled
-every few milliseconds for
+--lesson` with the shipped model (`tiny`, cpu, 1 torch thread) is started, and its pane read each
+time it writes (through one tmux control-mode client, not a process per poll) for
 
 - the first thing drawn (kvtui's title card, before the app's imports), the app's first frame
   (the lesson title), and the first token (the token stream's "N tokens" under
@@ -21,9 +21,15 @@ command started.
 
 `--repo DIR` runs another checkout's kvtui with this Python (the one before a change, say), so a
 before/after comparison is taken in one run, interleaved. The machine is shared: quote medians of
-several repeats, and the CPU capability. Figures are printed, never asserted.
+several repeats, and the CPU capability; with another checkout, the first frame's difference is
+also taken launch by launch (its median: the machine's drift, often larger than the change,
+cancels). `--frame-only` quits at the first frame, for the many repeats that takes. Each
+checkout's bytecode is compiled first, as `pip install` leaves it (where PYTHONDONTWRITEBYTECODE
+is set, a launch would otherwise compile every module it imports, each time). Figures are
+printed, never asserted.
 
     python benchmarks/first_token.py --repeats 3
+    python benchmarks/first_token.py --frame-only --repeats 15 --repo /path/to/other/checkout
     python benchmarks/first_token.py --repeats 3 --repo /path/to/other/checkout --json
     python benchmarks/first_token.py --present --repeats 5 --size 160x48
 """
@@ -31,9 +37,12 @@ several repeats, and the CPU capability. Figures are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import compileall
+import contextlib
 import json
 import os
 import re
+import select
 import statistics
 import subprocess
 import sys
@@ -56,7 +65,11 @@ SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 
 
 class Pane:
-    """A detached tmux session of one pane on a private tmux server; closed on exit."""
+    """A detached tmux session of one pane on a private tmux server, watched through one tmux
+    control-mode client (`tmux -C attach`): tmux pushes a line when the pane writes, and the
+    pane's text is read over that same connection only then. Polling it with a `tmux
+    capture-pane` process every few milliseconds cost this 2-core machine a good part of a core,
+    taken from the app it timed (the title card's time doubled). Closed on exit."""
 
     def __init__(self, command: str, size: tuple[int, int], cwd: Path) -> None:
         self.name = f"pane-{time.monotonic_ns()}"
@@ -67,18 +80,90 @@ class Pane:
             + ["-c", str(cwd), command],
             check=True,
         )
+        self.control = subprocess.Popen(
+            [*self.tmux, "-C", "attach", "-t", self.name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._buffer = b""
+        self.wrote = True
+        """Whether the pane has written since its text was last read (so: read it)."""
+
+    def _line(self, timeout: float) -> bytes | None:
+        """The control client's next line, or None if none came within `timeout` s."""
+        assert self.control.stdout is not None
+        end = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([self.control.stdout], [], [], left)[0]:
+                return None
+            chunk = os.read(self.control.stdout.fileno(), 1 << 16)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        if line.startswith(b"%output "):
+            self.wrote = True
+        return line
+
+    def _command(self, command: str) -> list[bytes]:
+        """Run a tmux command over the control connection; its output's lines."""
+        assert self.control.stdin is not None
+        self.control.stdin.write(command.encode() + b"\n")
+        self.control.stdin.flush()
+        out: list[bytes] | None = None
+        while True:
+            line = self._line(10.0)
+            if line is None:
+                return out or []
+            if line.startswith(b"%begin ") and out is None:
+                out = []
+            elif line.startswith((b"%end ", b"%error ")) and out is not None:
+                return out
+            elif out is not None:
+                out.append(line)
+
+    def wait_for_output(self, timeout: float) -> None:
+        """Until the pane writes (at once if it has since its text was last read)."""
+        end = time.monotonic() + timeout
+        while not self.wrote and time.monotonic() < end:
+            self._line(end - time.monotonic())
+
+    def idle(self, seconds: float) -> None:
+        """Read what the control client says for `seconds` (a person reading the screen)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self._line(end - time.monotonic())
 
     def text(self) -> str:
-        done = subprocess.run(
-            [*self.tmux, "capture-pane", "-p", "-t", self.name], capture_output=True, text=True
-        )
-        return done.stdout
+        self.wrote = False
+        lines = self._command(f"capture-pane -p -t {self.name}")
+        return "\n".join(line.decode("utf-8", "replace") for line in lines)
+
+    def pid(self) -> int:
+        """The pane's process: the shell, then the python it execs."""
+        return int(self._command(f"display-message -p -t {self.name} '#{{pane_pid}}'")[0])
+
+    def quit(self, timeout: float) -> None:
+        """Press q, and wait until the app and every process it started (engines run in
+        sessions of their own) have ended: the next launch must not share the CPU with them."""
+        family = descendants(self.pid())
+        self.keys("q")
+        end = time.monotonic() + timeout
+        while any(Path(f"/proc/{pid}").exists() for pid in family):
+            if time.monotonic() > end:
+                break
+            self._line(0.05)
 
     def keys(self, *keys: str) -> None:
-        subprocess.run([*self.tmux, "send-keys", "-t", self.name, *keys], check=False)
+        self._command(f"send-keys -t {self.name} " + " ".join(keys))
 
     def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self.control.stdin is not None
+            self.control.stdin.close()
         subprocess.run([*self.tmux, "kill-server"], capture_output=True, check=False)
+        self.control.wait(5)
 
     def __enter__(self) -> Pane:
         return self
@@ -87,11 +172,28 @@ class Pane:
         self.close()
 
 
+def descendants(pid: int) -> set[int]:
+    """`pid` and every process below it, now (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents[int(stat.parent.name)] = int(fields[1])
+    family, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    return family
+
+
 def watch(pane: Pane, done, timeout: float, said: list[tuple[float, str]]) -> float | None:
-    """time.time() when `done(text)` first holds, polling; the engine's words seen on the way
-    are added to `said` with the time.time() they were first seen (each once)."""
+    """time.time() when `done(text)` first holds, the pane's text read each time it writes;
+    the engine's words seen on the way are added to `said` with the time.time() they were
+    first seen (each once)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
+        pane.wait_for_output(min(0.25, end - time.monotonic()))
         text = pane.text()
         for words in STARTING.findall(text):
             words = words.strip()
@@ -99,11 +201,12 @@ def watch(pane: Pane, done, timeout: float, said: list[tuple[float, str]]) -> fl
                 said.append((time.time(), words))
         if done(text):
             return time.time()
-        time.sleep(0.01)
     return None
 
 
-def one(repo: Path, size: tuple[int, int], settle: float, timeout: float) -> dict[str, object]:
+def one(
+    repo: Path, size: tuple[int, int], settle: float, timeout: float, frame_only: bool = False
+) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as tmp:
         start_file = Path(tmp) / "start"
         env = f"PYTHONPATH='{repo}'"
@@ -115,16 +218,22 @@ def one(repo: Path, size: tuple[int, int], settle: float, timeout: float) -> dic
         with Pane(command, size, repo) as pane:
             drawn = watch(pane, lambda t: bool(t.strip()), timeout, said)  # the title card
             frame = watch(pane, lambda t: TITLE in t, timeout, said)
-            token = watch(pane, lambda t: TOKENS.search(t) is not None, timeout, said)
             start = float(start_file.read_text())
+            if frame_only:
+                pane.quit(timeout)
+                return {
+                    "first_drawn_s": None if drawn is None else drawn - start,
+                    "first_frame_s": None if frame is None else frame - start,
+                }
+            token = watch(pane, lambda t: TOKENS.search(t) is not None, timeout, said)
             watch(pane, lambda t: "✓ done" in t, timeout, said)
-            time.sleep(settle)
+            pane.idle(settle)
             restart_said: list[tuple[float, str]] = []
             pane.keys("l")
             pressed = time.time()
             watch(pane, lambda t: TOKENS.search(t) is None, timeout, restart_said)
             again = watch(pane, lambda t: TOKENS.search(t) is not None, timeout, restart_said)
-            pane.keys("q")
+            pane.quit(timeout)
     return {
         "first_drawn_s": None if drawn is None else drawn - start,
         "first_frame_s": None if frame is None else frame - start,
@@ -156,7 +265,7 @@ def one_present(repo: Path, size: tuple[int, int], timeout: float) -> dict[str, 
             title = watch(pane, lambda t: PRESENT_TITLE in t, timeout, said)
             movement = watch(pane, moved, timeout, said)
             start = float(start_file.read_text())
-            pane.keys("q")
+            pane.quit(timeout)
     return {
         "title_s": None if title is None else title - start,
         "first_movement_s": None if movement is None else movement - start,
@@ -179,15 +288,25 @@ def main() -> int:
     parser.add_argument(
         "--present", action="store_true", help="presenter mode: time to title, first movement"
     )
+    parser.add_argument(
+        "--frame-only",
+        action="store_true",
+        help="the title card and the first frame only (quit then): many repeats in little time",
+    )
     args = parser.parse_args()
     width, height = (int(n) for n in args.size.split("x"))
     repos = [REPO, *(args.repo or [])]
+    for repo in repos:  # as `pip install` leaves it: a launch that compiles measures the compiler
+        compileall.compile_dir(repo / "kvtui", quiet=1)
     if args.present:
         return present_main(args, repos, (width, height))
     runs: dict[str, list[dict[str, object]]] = {str(r): [] for r in repos}
     for _ in range(args.repeats):
         for repo in repos:  # interleaved, so that the machine's drift hits each alike
-            runs[str(repo)].append(one(repo, (width, height), args.settle, args.timeout))
+            runs[str(repo)].append(
+                one(repo, (width, height), args.settle, args.timeout, args.frame_only)
+            )
+    keys = KEYS[:2] if args.frame_only else KEYS
     import torch
 
     result = {
@@ -196,25 +315,42 @@ def main() -> int:
         "size": args.size,
         "settle_s": args.settle,
         "checkouts": {
-            repo: {key: median([r[key] for r in rows]) for key in KEYS}
+            repo: {key: median([r[key] for r in rows]) for key in keys}
+            | {f"{key}_all": [r[key] for r in rows] for key in keys}
             | {
-                "said_at_launch": rows[-1]["said_at_launch"],
-                "said_after_l": rows[-1]["said_after_l"],
+                "said_at_launch": rows[-1].get("said_at_launch", []),
+                "said_after_l": rows[-1].get("said_after_l", []),
             }
             for repo, rows in runs.items()
         },
     }
+    if len(repos) > 1:  # each launch against the one beside it: the machine's drift cancels
+        first, *others = runs.values()
+        result["first_frame_paired_s"] = {
+            str(repo): median(
+                [
+                    a["first_frame_s"] - b["first_frame_s"]  # type: ignore[operator]
+                    for a, b in zip(first, rows, strict=True)
+                    if a["first_frame_s"] is not None and b["first_frame_s"] is not None
+                ]
+            )
+            for repo, rows in zip(repos[1:], others, strict=True)
+        }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"CPU {result['cpu_capability']}, {args.size}, median of {args.repeats}:")
     for repo, r in result["checkouts"].items():
         print(f"  {repo}")
-        for key in KEYS:
-            value = r[key]
-            print(f"    {key:24} {'-' if value is None else f'{value:.2f} s'}")
-        print(f"    said at launch: {r['said_at_launch']}")
-        print(f"    said after l:   {r['said_after_l']}")
+        for key in keys:
+            value, each = r[key], r[f"{key}_all"]
+            shown = ", ".join("-" if v is None else f"{v:.2f}" for v in each)
+            print(f"    {key:24} {'-' if value is None else f'{value:.2f} s'}  ({shown})")
+        if not args.frame_only:
+            print(f"    said at launch: {r['said_at_launch']}")
+            print(f"    said after l:   {r['said_after_l']}")
+    for repo, diff in result.get("first_frame_paired_s", {}).items():
+        print(f"  first frame, this checkout less {repo}, launch by launch: median {diff:+.3f} s")
     return 0
 
 

@@ -34,7 +34,6 @@ from kvtui.engines.factory import fit_tokens
 from kvtui.engines.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
 from kvtui.format import safe_text
 from kvtui.options import THEMES, UsageError
-from kvtui.reports.table import TableProcess
 from kvtui.run.live import LiveRun
 from kvtui.run.process import EngineFactory, EngineHandle
 from kvtui.screens.base import MAX_LENGTH, MIN_LENGTH, length_step, longest_run
@@ -66,8 +65,8 @@ class AppConfig:
     """The colours to open with, a key of kvtui.options.THEMES."""
     kv_events: str | None = None
     """--kv-events: where screen 2 listens for a served run's KV cache events (checked)."""
-    table_factory: TableFactory = TableProcess
-    """What measures screen 4's table (a child process; in tests, `sim:` in this process)."""
+    table_factory: TableFactory | None = None
+    """Screen 4's table's maker; None: kvtui.reports.table's child (imported with screen 4)."""
 
 
 class KVApp(PaletteApp):
@@ -192,6 +191,7 @@ class KVApp(PaletteApp):
         run, live = self.live_run, KVApp.live_run
         if mode == "recompute":
             return RecomputeScreen(run).data_bind(KVApp.length, run=live)
+        from kvtui.reports.table import TableProcess
         from kvtui.screens import cache, memory, present, tricks
 
         if mode == "cache":
@@ -202,7 +202,7 @@ class KVApp(PaletteApp):
                 KVApp.device_gpu, KVApp.kv_budget, KVApp.length, batch_next=KVApp.batch, run=live
             )
         if mode == "tricks":
-            tables = self.config.table_factory
+            tables = self.config.table_factory or TableProcess
             made = tricks.TricksScreen(run, engines=self.engines, table_factory=tables)
             return made.data_bind(run=live)
         return present.PresentScreen(run).data_bind(run=live)

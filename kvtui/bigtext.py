@@ -10,15 +10,24 @@ it counts up.
 
 `title_card` lays out the title slide as plain lines, the same for the app's first frame and
 for the card `kvtui --present` prints before the app has imported (kvtui.cli): no dead air.
+`kept_title_card` keeps each size's card for the next launch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import stat
 import textwrap
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pyfiglet
+if TYPE_CHECKING:
+    import pyfiglet
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,8 @@ def ascii_text(text: str) -> str:
 
 @lru_cache(maxsize=16)
 def _figlet(name: str) -> pyfiglet.Figlet:
+    import pyfiglet  # its fonts take longer to load than the card takes to draw (`kept_title_card`)
+
     return pyfiglet.Figlet(font=name, width=100_000)
 
 
@@ -209,3 +220,66 @@ def title_card(width: int, height: int) -> list[CardLine]:
         pad = max(0, (width - len(line.text)) // 2)
         lines.append(CardLine(" " * pad + line.text, line.kind))
     return lines
+
+
+CARD_KINDS = ("title", "subtitle", "idea", "blank")
+KEPT_CARDS = 32
+"""The most sizes of card `kept_title_card` keeps (the sizes drawn last)."""
+KEPT_BYTES = 1 << 20
+"""A file of kept cards larger than this is not read."""
+
+
+def kept_title_card(width: int, height: int, folder: Path) -> list[CardLine]:
+    """`title_card(width, height)` as the last launch at this size drew it, kept in `folder`
+    (title-cards.json), so that a launch draws its card without loading pyfiglet's fonts (most
+    of the card's cost, which the app's first frame waits for); drawn, and kept, where it is
+    not there. The file is checked as any file from outside is: cards kept by another version
+    of this module (its source is the key), a line that is not printable text or does not fit,
+    a file that is not what kvtui writes, too large or not a regular file: drawn afresh. Where
+    the file cannot be read or written the card is drawn, and not kept."""
+    path = folder / "title-cards.json"
+    try:
+        key = f"{zlib.crc32(Path(__file__).read_bytes()):08x}"
+    except OSError:  # no source to key it by (kvtui run from a zip, say): drawn, not kept
+        return title_card(width, height)
+    size = f"{width}x{height}"
+    cards: dict[str, object] = {}
+    try:
+        found = path.stat()
+        if stat.S_ISREG(found.st_mode) and found.st_size <= KEPT_BYTES:  # a FIFO would hang
+            kept = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(kept, dict) and kept.get("key") == key:
+                cards = kept["cards"] if isinstance(kept.get("cards"), dict) else {}
+    except (OSError, ValueError, RecursionError):
+        pass
+    card = _card_from(cards.get(size), width, height)
+    if card is not None:
+        return card
+    card = title_card(width, height)
+    cards = {k: v for k, v in cards.items() if k != size}
+    cards[size] = [[line.text, line.kind] for line in card]
+    cards = dict(list(cards.items())[-KEPT_CARDS:])
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        part.write_text(json.dumps({"key": key, "cards": cards}), encoding="utf-8")
+        os.replace(part, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            part.unlink(missing_ok=True)
+    return card
+
+
+def _card_from(kept: object, width: int, height: int) -> list[CardLine] | None:
+    """A kept card's lines, if it is one that fits `width` x `height`: printable text only."""
+    if not isinstance(kept, list) or len(kept) > height:
+        return None
+    card = []
+    for line in kept:
+        if not (isinstance(line, list) and len(line) == 2 and line[1] in CARD_KINDS):
+            return None
+        text = line[0]
+        if not (isinstance(text, str) and len(text) <= width and text.isprintable()):
+            return None
+        card.append(CardLine(text, line[1]))
+    return card

@@ -44,7 +44,7 @@ from kvtui.options import (
     quality_bytes,
     settings_from_args,
 )
-from kvtui.paths import HELDOUT_BYTES
+from kvtui.paths import HELDOUT_BYTES, cache_dir
 from kvtui.reports.served import add_export_hf, add_load
 from kvtui.reports.sim import add_budget, add_gpus, add_models, add_work, print_json
 from kvtui.sim.catalog import (
@@ -126,12 +126,12 @@ class TitleCard:
         if size is None or size.columns < self.SMALLEST[0] or size.lines < self.SMALLEST[1]:
             self.shown = False  # a terminal too small for it (or one that says 0x0): the app only
             return
-        from kvtui.bigtext import title_card
+        from kvtui.bigtext import kept_title_card
 
         self._width, self._row = size.columns, size.lines - 1
         lines = [
             f"\x1b[1m{line.text}\x1b[0m" if line.kind in ("title", "subtitle") else line.text
-            for line in title_card(size.columns, size.lines)
+            for line in kept_title_card(size.columns, size.lines, cache_dir())
         ]
         sys.stderr.write(self.SHOW + "\r\n".join(lines))
         self._turn(0)

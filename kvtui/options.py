@@ -20,13 +20,6 @@ from kvtui.engines.protocol import (
     Loop,
     RunSettings,
 )
-from kvtui.engines.vllm.events import (
-    EventsError,
-    check_bind,
-    events_text,
-    parse_events,
-    require_libraries,
-)
 from kvtui.errors import EngineError
 from kvtui.format import (
     format_bytes,
@@ -470,6 +463,8 @@ def add_layout_options(group: Any) -> None:
 def kv_events_endpoint(text: str) -> str:
     """--kv-events: a tcp://HOST:PORT to bind, the server's replay socket and its data-parallel
     ranks where given (kvtui.engines.vllm.events.parse_events), as kvtui writes them."""
+    from kvtui.engines.vllm.events import EventsError, events_text, parse_events
+
     try:
         return events_text(*parse_events(argv_text(text)))
     except EventsError as exc:
@@ -489,6 +484,8 @@ def check_kv_events(endpoint: str | None, settings: RunSettings) -> None:
         raise UsageError(
             "kvtui: --kv-events is for a server's events: give it beside --engine vllm:URL"
         )
+    from kvtui.engines.vllm.events import EventsError, check_bind, parse_events, require_libraries
+
     try:
         require_libraries()
         first, _, ranks = parse_events(endpoint)

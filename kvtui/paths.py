@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -21,6 +22,16 @@ def assets_dir() -> Path:
 def asset_path(name: str) -> Path:
     """The path of one shipped file, by name."""
     return assets_dir() / name
+
+
+def cache_dir() -> Path:
+    """Where kvtui keeps what it can make again (the title cards of kvtui.bigtext's
+    `kept_title_card`): $XDG_CACHE_HOME/kvtui where that is an absolute path, else
+    ~/.cache/kvtui."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvtui"
 
 
 TINY_NAME = "tiny-austen"

@@ -41,7 +41,6 @@ from kvtui.engines.protocol import RunSettings
 from kvtui.errors import EngineError
 from kvtui.format import error_line, safe_text
 from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, int_in
-from kvtui.run.process import CHILD_CWD, absolute_paths, child_command
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -110,6 +109,8 @@ def app_argv(args: argparse.Namespace) -> list[str]:
     """`child_command` (isolated, `-I`, kvtui imported from this very package, not whichever is
     installed) with every app option that differs from its default, as given; paths made
     absolute, since each tab's app runs from the file system's root."""
+    from kvtui.run.process import absolute_paths, child_command
+
     recorder = _Recorder()
     add_run_options(recorder, app=True)
     argv = child_command(APP_MAIN)
@@ -333,6 +334,8 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int, *
     from aiohttp import WSCloseCode, web
     from textual_serve.app_service import AppService
     from textual_serve.server import Server, to_int
+
+    from kvtui.run.process import CHILD_CWD
 
     class AppProcess(AppService):
         """textual-serve's app process, started without a shell in a session of its own (so a

@@ -372,12 +372,12 @@ def test_too_many_tokens_for_the_tiny_model_is_refused_before_it_loads(capsys, m
 
 
 def test_cuda_where_there_is_none_is_refused_before_the_app_opens(capsys, monkeypatch):
-    import kvtui.engines.factory
+    import kvtui.gpu.probe
 
-    cuda_visible = kvtui.engines.factory.cuda_visible
+    cuda_visible = kvtui.gpu.probe.cuda_visible
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hides every GPU, from torch too
     assert cuda_visible() is False
-    monkeypatch.setattr(kvtui.engines.factory, "cuda_visible", lambda: False)
+    monkeypatch.setattr(kvtui.gpu.probe, "cuda_visible", lambda: False)
     assert "shows no CUDA device" in app_refuses(capsys, monkeypatch, "--device", "cuda")
     assert "shows no CUDA device" in refused(capsys, "bench", "--device", "cuda")
 

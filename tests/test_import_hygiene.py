@@ -73,38 +73,76 @@ def test_each_layer_loads_only_what_it_may(layer):
 FIRST_FRAME = """
 import asyncio, json, sys
 from textual.css.stylesheet import Stylesheet
-from kvtui.app import make_app
-from kvtui.engines.protocol import RunSettings
+import kvtui.cli as cli
+from kvtui.engines.factory import check_engine
 
-reparsed = []
-reparse = Stylesheet.reparse
+reparsed, restyled = [], set()
+reparse, update_nodes = Stylesheet.reparse, Stylesheet.update_nodes
 Stylesheet.reparse = lambda self: reparsed.append(1) or reparse(self)
+
+def counted(self, nodes, animate=False):
+    nodes = list(nodes)
+    restyled.update(type(node).__name__ for node in nodes)
+    return update_nodes(self, nodes, animate)
+
+Stylesheet.update_nodes = counted
+
+args = cli.build_parser().parse_args(["--lesson", "--engine", "tiny", "--device", "cpu"])
+settings = cli.settings_from_args(args, default_tokens=cli.DEFAULT_APP_TOKENS)
+check_engine(settings)
+from kvtui.app import make_app
 
 async def main():
     probe = {"probe": "null", "description": "no GPU"}  # not kvtui.testing's: it imports screens
-    app = make_app(RunSettings(engine="sim:llama-3.1-8b@h100"), probe=probe, autostart=False)
+    app = make_app(settings, probe=probe, autostart=False)
     async with app.run_test(size=(80, 24)) as pilot:
         await pilot.pause()
-        loaded = sorted(m for m in sys.modules if m.startswith("kvtui.screens.")
-                        or m in ("kvtui.engines.vllm.load", "http.client"))
-        return {"screen": type(app.screen).__name__, "loaded": loaded, "reparsed": len(reparsed)}
+        return {
+            "screen": type(app.screen).__name__,
+            "loaded": sorted(sys.modules),
+            "reparsed": len(reparsed),
+            "restyled": sorted(restyled),
+        }
 
 print(json.dumps(asyncio.run(main())))
 """
 
+NOT_FOR_SCREEN_1 = (
+    "kvtui.screens.cache",
+    "kvtui.screens.memory",
+    "kvtui.screens.tricks",
+    "kvtui.screens.present",
+    "kvtui.reports.table",
+    "kvtui.engines.vllm.client",
+    "kvtui.engines.vllm.events",
+    "kvtui.engines.vllm.load",
+    "kvtui.engines.vllm.metrics",
+    "kvtui.run.fleet",
+    "kvtui.run.serving",
+    "kvtui.gpu.probe",
+    "http.client",
+)
+"""What the launch of `kvtui --lesson` (tiny) needs no part of before its first frame: the other
+screens, a server's client, load, events and fleet, the table's process, and the device probe (run
+after the first frame)."""
+
 
 def test_the_app_opens_on_screen_1_with_only_what_it_draws():
-    """The app's first frame waits for screen 1 alone: the other screens' modules (and what only
-    they use: the load's, a server's HTTP client) are imported when first shown, and screen 1 is
-    composed without a restyle (Textual parses the whole stylesheet again on entering a mode)."""
+    """The app's first frame waits for screen 1 alone, from the command line on: the other
+    screens' modules (and what only they, or a served run, use) are imported when first needed;
+    screen 1 is composed without a restyle (Textual parses the whole stylesheet again on
+    entering a mode), and no widget of it is styled twice (the screen's size classes, the
+    footer's compact keys and Textual's restyle on a screen's first resume each did that)."""
     done = subprocess.run(
         [sys.executable, "-c", FIRST_FRAME], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
     opened = json.loads(done.stdout.strip().splitlines()[-1])
     assert opened["screen"] == "RecomputeScreen"
-    assert opened["loaded"] == ["kvtui.screens.base", "kvtui.screens.recompute"]
+    assert [m for m in opened["loaded"] if m in NOT_FOR_SCREEN_1] == []
+    assert "kvtui.screens.recompute" in opened["loaded"]
     assert opened["reparsed"] == 0
+    assert set(opened["restyled"]) <= {"RunHeader", "Note"}  # the class the run's state gives
 
 
 @pytest.mark.skipif(shutil.which("lint-imports") is None, reason="import-linter is not installed")

@@ -36,7 +36,6 @@ from kvtui.engines.protocol import (
 )
 from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
-from kvtui.gpu.probe import cuda_visible
 from kvtui.inputs import InputError, user_path
 from kvtui.paths import TINY_NAME
 
@@ -440,8 +439,11 @@ def check_run(settings: RunSettings) -> EngineSpec:
         device = settings.device
         if device not in ("auto", "cpu") and not _CUDA_DEVICE.fullmatch(device):
             raise EngineError(f"unknown device {device!r}: use auto, cpu or cuda")
-        if device != "auto" and device != "cpu" and not cuda_visible():
-            raise EngineError(f"--device {device}: this machine shows no CUDA device")
+        if device not in ("auto", "cpu"):
+            from kvtui.gpu.probe import cuda_visible
+
+            if not cuda_visible():
+                raise EngineError(f"--device {device}: this machine shows no CUDA device")
     if not spec.can.own_cache and settings.kv_budget_bytes is not None:
         raise EngineError(
             f"--kv-budget applies to {OWN_ENGINES}, not to {spec.kind}:"
@@ -504,11 +506,12 @@ def free_memory(settings: RunSettings) -> tuple[int, str, bool] | None:
     """This machine's free memory where a torch engine would run (bytes, what it is, whether
     a GPU), torch-free: a GPU's as NVML reads it, else the host's (kvtui.gpu.host.host_room);
     None where it cannot be read (a GPU without NVML)."""
-    if settings.device != "cpu" and cuda_visible():
-        from kvtui.gpu.probe import probe_summary
+    if settings.device != "cpu":
+        from kvtui.gpu.probe import cuda_visible, probe_summary
 
-        free = probe_summary().get("free_bytes")
-        return (free, "free GPU memory", True) if isinstance(free, int) else None
+        if cuda_visible():
+            free = probe_summary().get("free_bytes")
+            return (free, "free GPU memory", True) if isinstance(free, int) else None
     from kvtui.gpu.host import host_room
 
     try:

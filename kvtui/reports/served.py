@@ -195,14 +195,7 @@ FILL_POLL_S = 5.0
 
 
 def add_load(subparsers: Any) -> None:
-    from kvtui.engines.vllm.load import (
-        DEFAULT_SECONDS,
-        MAX_CONCURRENCY,
-        MAX_NEW_TOKENS,
-        MAX_PROMPT_TOKENS,
-        MAX_REQUESTS,
-        MAX_SECONDS,
-    )
+    from kvtui.engines.vllm import limits
 
     p = subparsers.add_parser(
         "load",
@@ -221,45 +214,45 @@ def add_load(subparsers: Any) -> None:
     )
     p.add_argument(
         "--concurrency",
-        type=int_in(1, MAX_CONCURRENCY),
+        type=int_in(1, limits.MAX_CONCURRENCY),
         default=None,
         metavar="N",
-        help=f"requests at a time (at most {MAX_CONCURRENCY}); without it, --prompt-tokens and "
-        "--max-tokens, a fill sized from the server's capacity and max_model_len",
+        help=f"requests at a time (at most {limits.MAX_CONCURRENCY}); without it, --prompt-tokens "
+        "and --max-tokens, a fill sized from the server's capacity and max_model_len",
     )
     p.add_argument(
         "--prompt-tokens",
-        type=int_in(1, MAX_PROMPT_TOKENS),
+        type=int_in(1, limits.MAX_PROMPT_TOKENS),
         default=None,
         metavar="P",
-        help=f"prompt tokens of each request (at most {MAX_PROMPT_TOKENS:,})",
+        help=f"prompt tokens of each request (at most {limits.MAX_PROMPT_TOKENS:,})",
     )
     p.add_argument(
         "--max-tokens",
-        type=int_in(1, MAX_NEW_TOKENS),
+        type=int_in(1, limits.MAX_NEW_TOKENS),
         default=None,
         metavar="T",
         help=f"tokens each request generates, end-of-sequence ignored (at most "
-        f"{MAX_NEW_TOKENS:,}); P + T at most the server's max_model_len",
+        f"{limits.MAX_NEW_TOKENS:,}); P + T at most the server's max_model_len",
     )
     p.add_argument(
         "--requests",
-        type=int_in(1, MAX_REQUESTS),
+        type=int_in(1, limits.MAX_REQUESTS),
         default=None,
         metavar="R",
-        help=f"requests in all (default N, one wave; at most {MAX_REQUESTS:,})",
+        help=f"requests in all (default N, one wave; at most {limits.MAX_REQUESTS:,})",
     )
     p.add_argument(
         "--seconds",
-        type=float_in(0.1, MAX_SECONDS),
-        default=DEFAULT_SECONDS,
+        type=float_in(0.1, limits.MAX_SECONDS),
+        default=limits.DEFAULT_SECONDS,
         metavar="S",
-        help=f"wall-time limit: open requests are closed then (default {DEFAULT_SECONDS:g}, at "
-        f"most {MAX_SECONDS:g})",
+        help="wall-time limit: open requests are closed then (default "
+        f"{limits.DEFAULT_SECONDS:g}, at most {limits.MAX_SECONDS:g})",
     )
     p.add_argument(
         "--shared-prefix",
-        type=int_in(0, MAX_PROMPT_TOKENS),
+        type=int_in(0, limits.MAX_PROMPT_TOKENS),
         default=0,
         metavar="TOKENS",
         help="prompt tokens every request shares at its start, for the prefix cache (default 0)",

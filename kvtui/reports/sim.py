@@ -20,7 +20,6 @@ from kvtui.format import (
     safe_text,
 )
 from kvtui.options import MAX_BATCH, MAX_CONTEXT, UsageError, dtype_arg, int_in, utilization
-from kvtui.sim.budget import budget
 from kvtui.sim.catalog import (
     activation_dtype,
     dtype_names,
@@ -94,6 +93,7 @@ def cmd_work(args: argparse.Namespace) -> int:
 def cmd_budget(args: argparse.Namespace) -> int:
     """`kvtui budget`: weights + KV cache + runtime reserve against one GPU (each of `--tp` GPUs
     the model is split over), and the KV cache a vLLM-style server would size on it."""
+    from kvtui.sim.budget import budget
     from kvtui.sim.parallel import kv_head_copies, tensor_parallel_problem
     from kvtui.sim.pool import kv_capacity
 

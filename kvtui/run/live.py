@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvtui.engines.attention import Attention
 from kvtui.engines.capabilities import NOTHING, Capabilities
@@ -31,10 +31,12 @@ from kvtui.engines.protocol import (
 )
 from kvtui.errors import EngineError
 from kvtui.run.columns import Series
-from kvtui.run.fleet import FleetWatch
 from kvtui.run.pool import LivePool
-from kvtui.run.serving import ServerWatch
 from kvtui.run.summary import LoopSummary, RunSummary
+
+if TYPE_CHECKING:
+    from kvtui.run.fleet import FleetWatch
+    from kvtui.run.serving import ServerWatch
 
 RunState = Literal["starting", "running", "paused", "done", "failed", "stopped"]
 

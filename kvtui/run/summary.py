@@ -27,6 +27,7 @@ import math
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvtui.engines.protocol import (
     LOOPS,
@@ -39,12 +40,14 @@ from kvtui.engines.protocol import (
     StepSample,
 )
 from kvtui.run.columns import Column
-from kvtui.run.fleet import FleetWatch
-from kvtui.run.serving import ServerWatch
 from kvtui.sim.catalog import ModelSpec
 from kvtui.sim.memory import kv_bytes, kv_bytes_per_token
 from kvtui.sim.pool import KVPool
 from kvtui.sim.tricks import positions_held, tokens_before_full
+
+if TYPE_CHECKING:
+    from kvtui.run.fleet import FleetWatch
+    from kvtui.run.serving import ServerWatch
 
 RECENT_STEPS = 64
 """Later steps whose bandwidth `LoopSummary.recent_bandwidth_bytes_per_s` takes the median of."""
@@ -298,9 +301,7 @@ class RunSummary:
     )
     failure: str = ""
     """A RunFailed's message (empty unless the run failed)."""
-    fleet: FleetWatch = field(default_factory=FleetWatch)
-    """A served run's (`vllm:`) servers' figures, as their polls reported them, a watch per
-    replica of a fleet (kvtui.run.fleet)."""
+    _fleet: FleetWatch | None = field(default=None, init=False, repr=False)
     first_divergence: int | None = None
     """The first step at which the two loops chose different tokens; None while none has."""
     _kv_spec: ModelSpec | None = field(default=None, init=False, repr=False)
@@ -326,8 +327,19 @@ class RunSummary:
         """A copy that later events leave as it is (each loop's `snapshot`, the server's)."""
         copied = copy.copy(self)
         copied.loops = {name: loop.snapshot() for name, loop in self.loops.items()}
-        copied.fleet = self.fleet.snapshot()
+        copied._fleet = None if self._fleet is None else self._fleet.snapshot()
         return copied
+
+    @property
+    def fleet(self) -> FleetWatch:
+        """A served run's (`vllm:`) servers' figures, as their polls reported them, a watch per
+        replica of a fleet (kvtui.run.fleet); made on first need (kvtui's own engines have
+        none, and do not import it)."""
+        if self._fleet is None:
+            from kvtui.run.fleet import FleetWatch
+
+            self._fleet = FleetWatch()
+        return self._fleet
 
     @property
     def server(self) -> ServerWatch:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
-from textual.app import ComposeResult
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container
-from textual.events import Resize
+from textual.events import Resize, ScreenResume
 from textual.reactive import var
 from textual.screen import Screen
 from textual.widgets import Static
@@ -25,6 +26,26 @@ from kvtui.widgets.too_small import TooSmall, too_small
 
 HELD_AT_MOST_S = 0.3
 """Keys held down (auto-repeat) hold the run's redraws back at most this long (`hold_redraws`)."""
+
+
+def compact_footer(width: int) -> bool:
+    """Whether the footer is compact at `width`: every key fits 80 columns."""
+    return width < 100
+
+
+def size_classes(app: App[Any], width: int, height: int) -> list[str]:
+    """The breakpoint classes a screen of `width` x `height` gets from `app`'s breakpoints: the
+    class of the largest breakpoint each dimension reaches (Textual's rule, `Screen._on_resize`
+    in textual/screen.py)."""
+    classes = []
+    for dimension, breakpoints in (
+        (width, app.HORIZONTAL_BREAKPOINTS or []),
+        (height, app.VERTICAL_BREAKPOINTS or []),
+    ):
+        reached = [(at, name) for at, name in breakpoints if dimension >= at]
+        if reached:
+            classes.append(max(reached)[1])
+    return classes
 
 
 class LessonScreen(Screen):
@@ -46,11 +67,18 @@ class LessonScreen(Screen):
     def __init__(self, run: LiveRun, *, name: str | None = None) -> None:
         super().__init__(name=name)
         self.set_reactive(LessonScreen.run, run)
+        # The classes the screen's size gives it, before its widgets are styled: given only
+        # once it was shown, they restyled every widget of the app's first frame a second time.
+        width, height = self.app.size
+        self.add_class(*size_classes(self.app, width, height), update=False)
+        self.set_class(too_small(width, height), "-too-small", update=False)
         self._dirty = True
         self._held = False
         self._redrawn_at = 0.0
         self.ready = False
         """True once composed and mounted: before that there are no widgets to update."""
+        self._resumed = False
+        """Whether the screen has been shown (resumed) since it was mounted."""
 
     def compose(self) -> ComposeResult:
         yield RunHeader()
@@ -58,7 +86,7 @@ class LessonScreen(Screen):
         with Container(classes="lesson-body"):
             yield from self.compose_body()
         yield TooSmall()
-        yield KeysFooter(show_command_palette=False)
+        yield KeysFooter(show_command_palette=False, compact=compact_footer(self.app.size.width))
 
     def compose_body(self) -> ComposeResult:
         yield from ()
@@ -77,6 +105,16 @@ class LessonScreen(Screen):
     def follow_run(self, run: LiveRun) -> None:
         """Bring this screen's own state along with a new run (never drawing): a hook."""
 
+    def _on_screen_resume(self, event: ScreenResume) -> None:
+        """Textual restyles every widget of a screen each time it is resumed (its styles may
+        have gone stale while it was hidden: textual/screen.py); the first resume follows the
+        mount, where every widget was just styled, so it is not restyled then (a tenth of the
+        app's first frame)."""
+        if not self._resumed:
+            self._resumed = True
+            event.refresh_styles = False
+        super()._on_screen_resume(event)
+
     def on_screen_resume(self) -> None:
         self.redraw_now()
 
@@ -84,7 +122,7 @@ class LessonScreen(Screen):
         self._check_size(event.size.width, event.size.height)
 
     def _check_size(self, width: int, height: int) -> None:
-        self.query_one(KeysFooter).compact = width < 100  # every key fits 80 columns
+        self.query_one(KeysFooter).compact = compact_footer(width)
         small = too_small(width, height)
         self.set_class(small, "-too-small")
         if small:

@@ -8,7 +8,6 @@ device is.
 
 from __future__ import annotations
 
-import difflib
 import json
 import re
 from collections.abc import Iterable
@@ -247,6 +246,8 @@ class GPUSpec:
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> str:
+    import difflib  # only for a name not known
+
     close = difflib.get_close_matches(str(name).lower(), known, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     return f"unknown {kind} {name!r}{hint} (known: {', '.join(known)})"

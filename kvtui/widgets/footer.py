@@ -11,13 +11,40 @@ never changes, so every replaced key stayed alive with its styles and render cac
 
 from __future__ import annotations
 
+from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.widgets import Footer
+from textual.widgets._footer import FooterKey  # exported by no public module
 
 
 class KeysFooter(Footer):
-    """A `Footer` that drops the watchers of the keys it has just replaced."""
+    """A `Footer` that drops the watchers of the keys it has just replaced, builds its keys
+    again only when the keys it would show have changed, and builds each as compact as it is
+    (its class set before it is first styled: Textual's binding sets it once mounted, which
+    styled every key a second time)."""
+
+    _built_for: tuple[tuple[Binding, bool, str], ...] | None = None
+    """The bindings the keys were last built for: (binding, enabled, tooltip) of each shown."""
+
+    def compose(self) -> ComposeResult:
+        for widget in super().compose():
+            if isinstance(widget, FooterKey):
+                widget.set_class(self.compact, "-compact", update=False)
+            yield widget
+
+    def _keys_shown(self) -> tuple[tuple[Binding, bool, str], ...] | None:
+        """What `compose` would show now (None before the screen's bindings are ready, or once
+        the footer has left its screen)."""
+        if not self._bindings_ready or not self.is_attached:
+            return None
+        active = self.screen.active_bindings.values()
+        return tuple((b, enabled, tooltip) for (_, b, enabled, tooltip) in active if b.show)
 
     async def recompose(self) -> None:
+        shown = self._keys_shown()
+        if shown is not None and shown == self._built_for:
+            return  # the very keys shown (a screen's bindings are updated on each resume)
+        self._built_for = shown
         await super().recompose()
         # The replaced keys are closed by now; setting `compact` to itself runs Textual's own
         # pruning of closed watchers (and tells the new keys the value they already have).

@@ -32,18 +32,18 @@ from kvtui.engines.vllm.client import (
     ServerError,
 )
 from kvtui.engines.vllm.engine import BYTES_PER_TOKEN, are_token_ids, first_choice, read_served
+from kvtui.engines.vllm.limits import (
+    DEFAULT_SECONDS,
+    MAX_CONCURRENCY,
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUESTS,
+    MAX_SECONDS,
+)
 from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import error_line
 
-MAX_CONCURRENCY = 256
-"""The most requests at once: vLLM's default max_num_seqs."""
-MAX_PROMPT_TOKENS = 131_072
-MAX_NEW_TOKENS = 131_072
-MAX_REQUESTS = 10_000
-MAX_SECONDS = 3600.0
-DEFAULT_SECONDS = 120.0
-"""A load's wall-time limit unless told: two minutes."""
 FILL_CONCURRENCY = 16
 """Requests at a time of the load `fill_plan` makes."""
 FILL_WAVES = 2
