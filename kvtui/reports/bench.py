@@ -262,9 +262,7 @@ def served_summary(run: RunSummary, replica: int = 0) -> dict[str, Any]:
         "model": m.model if m is not None else "",
         "capacity": capacity,
         "kv_usage": m.kv_usage if m is not None else None,
-        "kv_usage_peak": server.peak_usage
-        if server.pressure.peak_seen or server.peak_usage
-        else None,  # no poll caught the server busy: no peak, rather than 0%
+        "kv_usage_peak": server.seen_peak,  # None: no poll saw one, rather than 0%
         "kv_used_tokens": m.kv_used_tokens if m is not None else None,
         "kv_evictable_tokens": m.kv_evictable_tokens if m is not None else None,
         "kv_free_tokens": m.kv_free_tokens if m is not None else None,

@@ -17,6 +17,7 @@ from kvtui.format import (
     format_seconds,
     safe_text,
 )
+from kvtui.run.pressure import peak_words
 
 FULL = "out_of_memory"
 """The reason a loop that stopped for its KV pool gives (kvtui.engines.protocol.RunFinished)."""
@@ -80,15 +81,8 @@ def _served_lines(r: dict[str, Any]) -> list[str]:
             lines.append(f"  served in {c['kv_dtype']}: {c['dtype_source']}")
         if c.get("reason"):
             lines.append(f"  why: {c['reason']}")
-    peak = server["kv_usage_peak"]
-    lines.append(
-        (
-            f"  usage peak {peak * 100:.0f}%"
-            if peak is not None
-            else "  usage peak not seen (no poll caught the request: shorter than a poll)"
-        )
-        + f", preemptions while watched: {server['preemptions_seen']}"
-    )
+    peak = peak_words(server["kv_usage_peak"], why=True)
+    lines.append(f"  usage {peak}, preemptions while watched: {server['preemptions_seen']}")
     ttft, itl = server["ttft_mean_s"], server["itl_mean_s"]
     if ttft is not None or itl is not None:
         lines.append(

@@ -180,7 +180,7 @@ def fill_from_server(url: Any, args: argparse.Namespace) -> tuple[Any, list[str]
     poll()
     latest = watch.latest
     capacity = latest.kv_capacity_tokens if latest is not None else None
-    words = list(fill_words(watch.peak_usage, watch.pressure, capacity, max_model_len))
+    words = list(fill_words(watch.seen_peak, watch.pressure, capacity, max_model_len))
     if not watch.pressure.peak_seen and errors:  # not a load too short: polls that failed
         words[0] = (
             f"vLLM's cache: not seen while the load ran: {len(errors):,} of {watch.polls:,} "

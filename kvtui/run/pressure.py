@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvtui.engines.protocol import ServerMetrics
+from kvtui.format import format_percent
 
 FULL = 0.95
 """Usage from which a cache counts as full (vLLM preempts before its last block)."""
@@ -149,14 +150,28 @@ class Pressure:
         )
 
 
+NOT_SEEN_WHY = "no poll caught a request running: shorter than a poll"
+"""Why a run or a load has no peak usage to show."""
+
+
+def peak_words(peak: float | None, *, why: bool = False) -> str:
+    """The peak KV-cache usage the polls saw (`ServerWatch.seen_peak`): "peak 93%", or "peak not
+    seen" (with `why`, why not) rather than a peak of 0% that no poll looked at."""
+    if peak is not None:
+        return f"peak {format_percent(peak)}"
+    return f"peak not seen ({NOT_SEEN_WHY})" if why else "peak not seen"
+
+
 def fill_words(
-    peak_usage: float,
+    peak: float | None,
     pressure: Pressure,
     capacity_tokens: int | None,
     max_model_len: int | None,
 ) -> list[str]:
     """Whether a load filled the server's cache and made it preempt, and why not where it did
-    not, in a few lines (every figure the server's, from the polls while it ran)."""
+    not, in a few lines (every figure the server's, from the polls while it ran; `peak`: the
+    peak usage they saw, `ServerWatch.seen_peak`)."""
+    peak_usage = peak or 0.0
     if not pressure.peak_seen and not pressure.preempted:  # (its counter rising is its word)
         return ["vLLM's cache: no poll caught a request running (the load was shorter than a poll)"]
     if peak_usage >= FULL:
@@ -166,7 +181,7 @@ def fill_words(
     else:
         full = "not full"
     lines = [
-        f"vLLM's cache: peak {f'{peak_usage:.0%}' if pressure.peak_seen else 'not seen'} "
+        f"vLLM's cache: {peak_words(peak)} "
         f"({full}), {pressure.preempted:,} preemptions "
         "while watched"
     ]

@@ -143,6 +143,12 @@ class ServerWatch:
             self.peak_usage = max(self.peak_usage, poll.kv_usage)
             self.usage.append((poll.seconds, poll.kv_usage))
 
+    @property
+    def seen_peak(self) -> float | None:
+        """The peak KV-cache usage the polls saw; None where none caught the server busy or its
+        cache in use (a run shorter than a poll), rather than a peak of 0% no poll looked at."""
+        return self.peak_usage if self.pressure.peak_seen or self.peak_usage > 0 else None
+
     def snapshot(self) -> ServerWatch:
         """A copy that later polls leave as it is (the polls themselves are frozen)."""
         copied = copy.copy(self)

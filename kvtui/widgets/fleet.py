@@ -18,6 +18,7 @@ from kvtui.engines.vllm.url import ServerURL
 from kvtui.errors import EngineError
 from kvtui.format import format_count, format_int, format_percent, format_seconds, safe_text
 from kvtui.run.fleet import FleetWatch
+from kvtui.run.pressure import peak_words
 from kvtui.run.serving import ServerWatch
 
 
@@ -56,7 +57,7 @@ def _use_words(watch: ServerWatch) -> str:
     assert m is not None  # drawn only with figures
     parts = [
         f"KV {format_percent(m.kv_usage) if m.kv_usage is not None else '…'} "
-        f"(peak {format_percent(watch.peak_usage)})"
+        f"({peak_words(watch.seen_peak)})"
     ]
     if m.requests_running is not None or m.requests_waiting is not None:
         reasons = [r.replace("=", " ") for r in m.waiting_reasons if not r.endswith("=0")]

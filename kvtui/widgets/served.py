@@ -21,6 +21,7 @@ from kvtui.format import (
     format_seconds,
     safe_text,
 )
+from kvtui.run.pressure import peak_words
 from kvtui.run.served_layout import ELEMENT_WORDS
 from kvtui.run.serving import CapacityCheck, ServerWatch
 from kvtui.widgets.plain import plain
@@ -70,14 +71,6 @@ def latency_words(server: ServerWatch | None, ttft: float | None, tpot: float | 
         f"{format_seconds(theirs_itl) if theirs_itl is not None else '…'}. "
         "Positions computed are the server's: kvtui cannot count them over HTTP."
     )
-
-
-def peak_words(server: ServerWatch) -> str:
-    """The peak usage seen, or that no poll caught the server busy (a run shorter than a
-    poll), rather than a peak of 0%."""
-    if server.pressure.peak_seen or server.peak_usage > 0:
-        return f"peak {format_percent(server.peak_usage)}"
-    return "peak not seen (no poll caught a request: shorter than a poll)"
 
 
 def engines_words(engines: int | None, check: CapacityCheck | str) -> str:
@@ -198,10 +191,12 @@ class ServedCache(Widget):
         assert m is not None  # render draws blocks only with figures
         line = Text(no_wrap=True, overflow="ellipsis")
         if m.kv_usage is None:  # a poll without the usage gauge: said, not drawn as 0%
-            line.append(f" KV-cache usage: not in this poll, {peak_words(server)}")
+            line.append(
+                f" KV-cache usage: not in this poll, {peak_words(server.seen_peak, why=True)}"
+            )
             return line
         usage = m.kv_usage
-        peak = peak_words(server)
+        peak = peak_words(server.seen_peak, why=True)
         summary = f" {format_percent(usage)} in use, {peak}"
         if m.kv_blocks:  # vLLM reports a share: the cells are that share of its blocks
             summary = f" {format_percent(usage)} of {format_int(m.kv_blocks)} blocks in use, {peak}"

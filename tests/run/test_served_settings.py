@@ -16,10 +16,10 @@ from kvtui.engines.protocol import ServerMetrics
 from kvtui.engines.vllm.load import fill_plan
 from kvtui.engines.vllm.metrics import server_metrics
 from kvtui.engines.vllm.url import ServerURL
-from kvtui.run.pressure import fill_words
+from kvtui.run.pressure import NOT_SEEN_WHY, fill_words, peak_words
 from kvtui.run.served_layout import read_layout
 from kvtui.run.serving import CapacityCheck, ServerWatch
-from kvtui.widgets.served import peak_words, served_dtype_words
+from kvtui.widgets.served import served_dtype_words
 from tests.engines.test_metrics import started  # the export as config.json gives it
 
 DATA = Path(__file__).parents[1] / "engines" / "data"
@@ -159,9 +159,10 @@ def test_a_run_shorter_than_a_poll_shows_no_peak_of_0_percent():
     watch = ServerWatch()
     watch.add(poll(0.0, 0.0, 0, 0, 0))
     watch.add(poll(0.4, 0.0, 0, 0, 0))
-    assert "peak not seen" in peak_words(watch) and "0%" not in peak_words(watch)
+    assert watch.seen_peak is None
+    assert peak_words(watch.seen_peak, why=True) == f"peak not seen ({NOT_SEEN_WHY})"
     watch.add(poll(0.9, 0.25, 1, 0, 0))
-    assert peak_words(watch) == "peak 25%"
+    assert watch.seen_peak == 0.25 and peak_words(watch.seen_peak) == "peak 25%"
 
 
 def test_preemptions_are_placed_in_time_with_the_usage_and_queue_around_them():
@@ -200,7 +201,7 @@ def test_a_queue_beside_a_half_empty_cache_is_explained_as_a_limit_on_sequences(
     assert "at most 8 running while others waited, the cache at most 41% full" in words
     assert "(max-num-seqs, inferred: not in /metrics)" in words
     assert "8 x max_model_len 256 = 2,048 tokens < 3,840: this cache cannot fill" in words
-    lines = fill_words(watch.peak_usage, watch.pressure, 3840, 256)
+    lines = fill_words(watch.seen_peak, watch.pressure, 3840, 256)
     assert lines[0].startswith("vLLM's cache: peak 41% (not full), 0 preemptions")
 
 
@@ -209,7 +210,7 @@ def test_a_full_cache_that_preempted_has_no_limit_to_explain():
     for p in (poll(0.0, 0.0, 0, 0, 0), poll(0.5, 1.0, 10, 6, 0), poll(1.0, 1.0, 9, 7, 4)):
         watch.add(p)
     assert watch.pressure.limit_words(1280, 512) == ""
-    lines = fill_words(watch.peak_usage, watch.pressure, 1280, 512)
+    lines = fill_words(watch.seen_peak, watch.pressure, 1280, 512)
     assert lines[0] == "vLLM's cache: peak 100% (full), 4 preemptions while watched"
 
 
@@ -222,7 +223,7 @@ def test_polls_that_missed_the_full_cache_still_say_it_filled_when_vllm_preempte
     for p in (poll(0.0, 0.0, 0, 0, 0), poll(20.0, 0.92, 4, 12, 0), poll(42.7, 0.0, 0, 0, 52)):
         watch.add(p)
     assert watch.pressure.limit_words(1280, 512) == ""
-    lines = fill_words(watch.peak_usage, watch.pressure, 1280, 512)
+    lines = fill_words(watch.seen_peak, watch.pressure, 1280, 512)
     assert lines[0] == (
         "vLLM's cache: peak 92% (full between polls: vLLM preempts only when it has no block to "
         "give), 52 preemptions while watched"
@@ -237,7 +238,7 @@ def test_a_preemption_counter_that_rose_between_idle_polls_still_says_the_cache_
     watch = ServerWatch()
     for p in (poll(0.0, 0.0, 0, 0, 0), poll(31.6, 0.0, 0, 0, 22)):
         watch.add(p)
-    lines = fill_words(watch.peak_usage, watch.pressure, 3840, 1024)
+    lines = fill_words(watch.seen_peak, watch.pressure, 3840, 1024)
     assert lines[0] == (
         "vLLM's cache: peak not seen (full between polls: vLLM preempts only when it has no "
         "block to give), 22 preemptions while watched"
