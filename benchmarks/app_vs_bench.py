@@ -47,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from first_token import Pane, watch  # this folder's: the script's own folder is on sys.path
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # kvtui from this checkout
 
@@ -58,67 +60,12 @@ FIRST_FRAME_MARK = "1 · Without a cache"
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-TMUX = ["tmux", "-L", f"kvtui-bench-{os.getpid()}"]
-"""tmux on a server of our own, so that the panes never meet anyone else's sessions."""
+# --- tmux: first_token.py's pane, read through a tmux control-mode client as it writes ------------
 
 
-# --- tmux ----------------------------------------------------------------------------------------
-
-
-class Pane:
-    """A detached tmux session of one pane, running one command; closed on exit."""
-
-    def __init__(self, command: str, size: tuple[int, int]) -> None:
-        self.name = f"pane-{time.monotonic_ns()}"
-        width, height = size
-        for attempt in range(5):  # the server may be exiting as its last session closed
-            started = subprocess.run(
-                TMUX
-                + ["new-session", "-d", "-s", self.name, "-x", str(width), "-y", str(height)]
-                + ["-c", str(REPO), command],
-                capture_output=True,
-                text=True,
-            )
-            if started.returncode == 0:
-                return
-            time.sleep(0.2 * (attempt + 1))
-        raise RuntimeError(f"tmux new-session failed: {started.stderr.strip()}")
-
-    def text(self) -> str:
-        done = subprocess.run(
-            TMUX + ["capture-pane", "-p", "-t", self.name], capture_output=True, text=True
-        )
-        return done.stdout
-
-    def keys(self, *keys: str) -> None:
-        subprocess.run(TMUX + ["send-keys", "-t", self.name, *keys], check=False)
-
-    def pid(self) -> int:
-        done = subprocess.run(
-            TMUX + ["display-message", "-p", "-t", self.name, "#{pane_pid}"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return int(done.stdout.strip())
-
-    def wait_for(self, words: str, timeout: float, poll: float = 0.005) -> float | None:
-        """time.time() when `words` first showed in the pane, or None after `timeout` seconds."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if words in self.text():
-                return time.time()
-            time.sleep(poll)
-        return None
-
-    def close(self) -> None:
-        subprocess.run(TMUX + ["kill-session", "-t", self.name], capture_output=True, check=False)
-
-    def __enter__(self) -> Pane:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def wait_for(pane: Pane, words: str, timeout: float) -> float | None:
+    """time.time() when `words` first showed in the pane, or None after `timeout` seconds."""
+    return watch(pane, lambda text: words in text, timeout, [])
 
 
 def _quote(*words: str) -> str:
@@ -135,18 +82,14 @@ def _python_env() -> str:
 
 
 def first_frame(size: tuple[int, int], timeout: float = 30.0) -> float | None:
-    """Seconds from the process's start to the first frame of `python -m kvtui` (sim engine),
-    seen as first_token.py sees it (its pane read through a tmux control-mode client)."""
-    from first_token import Pane as WatchedPane
-    from first_token import watch
-
+    """Seconds from the process's start to the first frame of `python -m kvtui` (sim engine)."""
     with tempfile.TemporaryDirectory() as tmp:
         start_file = Path(tmp) / "start"
         command = f"date +%s.%N > {_quote(str(start_file))}; {_python_env()} exec " + _quote(
             sys.executable, "-m", "kvtui", "--engine", "sim:llama-3.1-8b@h100"
         )
-        with WatchedPane(command, size, REPO) as pane:
-            seen = watch(pane, lambda text: FIRST_FRAME_MARK in text, timeout, [])
+        with Pane(command, size, REPO) as pane:
+            seen = wait_for(pane, FIRST_FRAME_MARK, timeout)
             pane.quit(timeout)
         if seen is None or not start_file.exists():
             return None
@@ -184,11 +127,11 @@ def app_run(tokens: int, size: tuple[int, int], cached_only: bool, timeout: floa
         out = Path(tmp) / "app.json"
         child = [sys.executable, str(Path(__file__).resolve()), "_app-child", "--out", str(out)]
         child += ["--tokens", str(tokens)] + (["--cached-only"] if cached_only else [])
-        with Pane(f"{_python_env()} exec {_quote(*child)}", size):
+        with Pane(f"{_python_env()} exec {_quote(*child)}", size, REPO) as pane:
             end = time.monotonic() + timeout
             while not out.exists() and time.monotonic() < end:
-                time.sleep(0.2)
-            time.sleep(0.2)  # let the child finish writing
+                pane.idle(0.2)  # what the pane writes is read, as a terminal reads it
+            pane.idle(0.2)  # let the child finish writing
         if not out.exists():
             raise RuntimeError(f"the app did not finish {tokens} tokens in {timeout:.0f} s")
         return json.loads(out.read_text())
@@ -268,21 +211,20 @@ def idle_cpu(size: tuple[int, int], seconds: float) -> dict:
     command = f"{_python_env()} exec " + _quote(
         sys.executable, "-m", "kvtui", "--engine", "tiny", "--device", "cpu", "--tokens", "2048"
     )
-    with Pane(command, size) as pane:
-        if pane.wait_for("▶ running · step", 60.0) is None:
+    with Pane(command, size, REPO) as pane:
+        if wait_for(pane, "▶ running · ", 60.0) is None:
             raise RuntimeError("the app never reported a running step:\n" + pane.text())
-        time.sleep(1.0)
+        pane.idle(1.0)
         ui = pane.pid()
         engine = next(iter(_children(ui)), None)
         pids = [ui] + ([engine] if engine else [])
         running = _cores(pids, seconds)
         pane.keys("space")
-        if pane.wait_for("⏸ paused", 5.0) is None:
+        if wait_for(pane, "⏸ paused", 5.0) is None:
             raise RuntimeError("space did not pause the app:\n" + pane.text())
-        time.sleep(1.0)
+        pane.idle(1.0)
         paused = _cores(pids, seconds)
-        pane.keys("q")
-        time.sleep(0.5)
+        pane.quit(10.0)
     return {
         "ui_cores_running": running[0],
         "ui_cores_paused": paused[0],
@@ -427,10 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("tmux") is None:
         print("app_vs_bench.py needs tmux (a real terminal for the app)", file=sys.stderr)
         return 2
-    try:
-        report = measure(args)
-    finally:
-        subprocess.run(TMUX + ["kill-server"], capture_output=True, check=False)
+    report = measure(args)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0
 
