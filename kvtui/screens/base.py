@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Container
 from textual.events import Resize, ScreenResume
@@ -33,14 +33,16 @@ def compact_footer(width: int) -> bool:
     return width < 100
 
 
-def size_classes(app: App[Any], width: int, height: int) -> list[str]:
-    """The breakpoint classes a screen of `width` x `height` gets from `app`'s breakpoints: the
-    class of the largest breakpoint each dimension reaches (Textual's rule, `Screen._on_resize`
-    in textual/screen.py)."""
+def size_classes(screen: Screen[Any], width: int, height: int) -> list[str]:
+    """The breakpoint classes `screen` gets at `width` x `height`: the class of the largest
+    breakpoint each dimension reaches, of the screen's breakpoints or else the app's (Textual's
+    rule, `Screen._on_resize` in textual/screen.py)."""
+    app = screen.app
+    horizontal, vertical = screen.HORIZONTAL_BREAKPOINTS, screen.VERTICAL_BREAKPOINTS
     classes = []
     for dimension, breakpoints in (
-        (width, app.HORIZONTAL_BREAKPOINTS or []),
-        (height, app.VERTICAL_BREAKPOINTS or []),
+        (width, (app.HORIZONTAL_BREAKPOINTS if horizontal is None else horizontal) or []),
+        (height, (app.VERTICAL_BREAKPOINTS if vertical is None else vertical) or []),
     ):
         reached = [(at, name) for at, name in breakpoints if dimension >= at]
         if reached:
@@ -70,7 +72,7 @@ class LessonScreen(Screen):
         # The classes the screen's size gives it, before its widgets are styled: given only
         # once it was shown, they restyled every widget of the app's first frame a second time.
         width, height = self.app.size
-        self.add_class(*size_classes(self.app, width, height), update=False)
+        self.add_class(*size_classes(self, width, height), update=False)
         self.set_class(too_small(width, height), "-too-small", update=False)
         self._dirty = True
         self._held = False
