@@ -23,13 +23,17 @@ command started.
 before/after comparison is taken in one run, interleaved. The machine is shared: quote medians of
 several repeats, and the CPU capability; with another checkout, the first frame's difference is
 also taken launch by launch (its median: the machine's drift, often larger than the change,
-cancels). `--frame-only` quits at the first frame, for the many repeats that takes. Each
+cancels). `--floor` adds bare_textual.py's bare Textual app (screen 1's title, four `Digits`, a
+footer), launched the same way between them: Textual's own start on this machine at that
+moment, the floor under kvtui's first frame, with kvtui's lead over it launch by launch.
+`--frame-only` quits at the first frame, for the many repeats that takes. Each
 checkout's bytecode is compiled first, as `pip install` leaves it (where PYTHONDONTWRITEBYTECODE
 is set, a launch would otherwise compile every module it imports, each time). Figures are
 printed, never asserted.
 
     python benchmarks/first_token.py --repeats 3
     python benchmarks/first_token.py --frame-only --repeats 15 --repo /path/to/other/checkout
+    python benchmarks/first_token.py --frame-only --repeats 30 --floor
     python benchmarks/first_token.py --repeats 3 --repo /path/to/other/checkout --json
     python benchmarks/first_token.py --present --repeats 5 --size 160x48
 """
@@ -244,6 +248,22 @@ def one(
     }
 
 
+FLOOR = "Textual's floor (bare_textual.py)"
+
+
+def one_floor(size: tuple[int, int], timeout: float) -> dict[str, object]:
+    """bare_textual.py's app launched as `one` launches kvtui: its first frame (the same title)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        start_file = Path(tmp) / "start"
+        script = Path(__file__).with_name("bare_textual.py")
+        command = f"date +%s.%N > '{start_file}'; exec '{sys.executable}' '{script}'"
+        with Pane(command, size, REPO) as pane:
+            frame = watch(pane, lambda t: TITLE in t, timeout, [])
+            start = float(start_file.read_text())
+            pane.quit(timeout)
+    return {"first_drawn_s": None, "first_frame_s": None if frame is None else frame - start}
+
+
 def one_present(repo: Path, size: tuple[int, int], timeout: float) -> dict[str, object]:
     """Presenter mode from launch: when the title shows, and when something first moves (a
     second frame of the waiting line's spinner, or the run's first figures on the title)."""
@@ -289,6 +309,9 @@ def main() -> int:
         "--present", action="store_true", help="presenter mode: time to title, first movement"
     )
     parser.add_argument(
+        "--floor", action="store_true", help="also launch a bare Textual app: Textual's own start"
+    )
+    parser.add_argument(
         "--frame-only",
         action="store_true",
         help="the title card and the first frame only (quit then): many repeats in little time",
@@ -301,11 +324,15 @@ def main() -> int:
     if args.present:
         return present_main(args, repos, (width, height))
     runs: dict[str, list[dict[str, object]]] = {str(r): [] for r in repos}
+    if args.floor:
+        runs[FLOOR] = []
     for _ in range(args.repeats):
         for repo in repos:  # interleaved, so that the machine's drift hits each alike
             runs[str(repo)].append(
                 one(repo, (width, height), args.settle, args.timeout, args.frame_only)
             )
+        if args.floor:
+            runs[FLOOR].append(one_floor((width, height), args.timeout))
     keys = KEYS[:2] if args.frame_only else KEYS
     import torch
 
@@ -315,8 +342,8 @@ def main() -> int:
         "size": args.size,
         "settle_s": args.settle,
         "checkouts": {
-            repo: {key: median([r[key] for r in rows]) for key in keys}
-            | {f"{key}_all": [r[key] for r in rows] for key in keys}
+            repo: {key: median([r.get(key) for r in rows]) for key in keys}
+            | {f"{key}_all": [r.get(key) for r in rows] for key in keys}
             | {
                 "said_at_launch": rows[-1].get("said_at_launch", []),
                 "said_after_l": rows[-1].get("said_after_l", []),
@@ -324,17 +351,17 @@ def main() -> int:
             for repo, rows in runs.items()
         },
     }
-    if len(repos) > 1:  # each launch against the one beside it: the machine's drift cancels
+    if len(runs) > 1:  # each launch against the one beside it: the machine's drift cancels
         first, *others = runs.values()
         result["first_frame_paired_s"] = {
-            str(repo): median(
+            name: median(
                 [
                     a["first_frame_s"] - b["first_frame_s"]  # type: ignore[operator]
                     for a, b in zip(first, rows, strict=True)
                     if a["first_frame_s"] is not None and b["first_frame_s"] is not None
                 ]
             )
-            for repo, rows in zip(repos[1:], others, strict=True)
+            for name, rows in list(runs.items())[1:]
         }
     if args.json:
         print(json.dumps(result, indent=2))

@@ -6,9 +6,10 @@ change worth 20 ms hides in the noise. Valgrind's callgrind counts the instructi
 runs, the same on every run: here the path of `kvtui --lesson --engine tiny --device cpu` up to
 its first frame (the command line read and checked, the title card, the app imported, then
 screen 1 composed, styled and drawn headless), stopped at each of those three points, for this
-checkout and any other (`--repo`), beside Python starting alone and a bare Textual app (a
-title, four `Digits`, a footer): the floor under kvtui's first frame. Counts are printed in
-millions; none is asserted. Each run takes about half a minute under callgrind (two at a time).
+checkout and any other (`--repo`), beside Python starting alone and bare_textual.py's bare
+Textual app (a title, four `Digits`, a footer): the floor under kvtui's first frame. Counts are
+printed in millions; none is asserted. Each run takes about half a minute under callgrind (two
+at a time).
 
     python benchmarks/launch_instructions.py
     python benchmarks/launch_instructions.py --repo /path/to/other/checkout --json
@@ -36,6 +37,11 @@ import asyncio, sys
 stop = int(sys.argv[1])
 import kvtui.cli as cli
 args = cli.build_parser().parse_args(["--lesson", "--engine", "tiny", "--device", "cpu"])
+try:  # as cmd_app does: Python's collector held to the first frame (a checkout before, not)
+    from kvtui import collector
+    collector.hold()
+except ImportError:
+    pass
 settings = cli.settings_from_args(args, default_tokens=cli.DEFAULT_APP_TOKENS)
 from kvtui.engines.factory import check_engine
 check_engine(settings)
@@ -63,18 +69,9 @@ asyncio.run(main())
 or its first frame (3). The probe is given: the app probes the device after its first frame."""
 
 BARE = """
-import asyncio
-from textual.app import App
-from textual.containers import Horizontal
-from textual.widgets import Digits, Footer, Static
-
-class Bare(App):
-    def compose(self):
-        yield Static("1 · Without a cache, every step redoes the whole history")
-        with Horizontal():
-            for _ in range(4):
-                yield Digits("24")
-        yield Footer()
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from bare_textual import Bare
 
 async def main():
     async with Bare().run_test(size=(80, 24)):
@@ -82,6 +79,7 @@ async def main():
 
 asyncio.run(main())
 """
+"""The bare Textual app of bare_textual.py (its folder the first argument), headless."""
 
 PHASES = ("command line and card", "the app imported", "first frame")
 
@@ -116,7 +114,10 @@ def main() -> int:
     repos = [REPO, *(args.repo or [])]
     for repo in repos:  # as `pip install` leaves it: a launch that compiles counts the compiler
         compileall.compile_dir(repo / "kvtui", quiet=1)
-    jobs = {("python", 0): ("pass", (), None), ("bare Textual", 0): (BARE, (), None)}
+    jobs = {
+        ("python", 0): ("pass", (), None),
+        ("bare Textual", 0): (BARE, (str(Path(__file__).parent),), None),
+    }
     for repo in repos:
         for stop in (1, 2, 3):
             jobs[(str(repo), stop)] = (PATH, (str(stop),), repo)

@@ -29,6 +29,7 @@ from textual.reactive import var
 from textual.screen import Screen
 from textual.worker import Worker, WorkerState, get_current_worker
 
+from kvtui import collector
 from kvtui.commands import PaletteApp
 from kvtui.engines.factory import fit_tokens
 from kvtui.engines.protocol import Event, RunFailed, RunFinished, RunSettings, RunStarted
@@ -81,8 +82,7 @@ class KVApp(PaletteApp):
     # `var`, not `reactive`: the App draws none of these, and a reactive would repaint the whole
     # screen on every change (a key press), where the widgets that show them refresh themselves.
     live_run: var[LiveRun] = var(LiveRun(RunSettings()).snapshot(), init=False)
-    """The run as the screens see it (their `run`): a read-only snapshot of `live`, replaced on
-    each change."""
+    """The run as the screens see it (`run`): a read-only snapshot of `live`, new on each change."""
     longest_run: var[int] = var(MAX_LENGTH, init=False)
     """The most tokens `r` may ask for: MAX_LENGTH, or fewer where the running model's positions
     (prompt + answer) run out first; `length` is kept within it."""
@@ -96,8 +96,7 @@ class KVApp(PaletteApp):
     batch: var[int] = var(1, init=False)
     """Sequences `r` decodes together (`--batch`, then screen 3's n)."""
     kv_budget: var[int | None] = var(None, init=False)
-    """The KV pool `r` asks for (`--kv-budget`, then screen 3's keys); None: the engine's
-    default."""
+    """The KV pool `r` asks for (`--kv-budget`, then screen 3's keys); None: the engine's."""
 
     BINDINGS = [
         Binding("1", "screen(1)", "Screens", key_display="1-4"),
@@ -217,13 +216,18 @@ class KVApp(PaletteApp):
                 self.add_mode(mode, lambda mode=mode: self._build_screen(mode))
         if self.config.probe is not None:
             self._probed(self.config.probe)
-        else:  # after the first frame: the probe's imports and NVML would hold the GIL during it
-            self.call_after_refresh(self._probe_device)
         self.switch_mode(MODES[max(1, min(len(MODES), self.config.screen)) - 1])
         if self.config.present:
             self.action_present()
         if self.config.autostart:
             self.start_run()
+
+    def on_ready(self) -> None:
+        """The first frame is drawn: the launch's hold on Python's collector ends
+        (kvtui.collector), and the device is probed (its imports and NVML hold the GIL)."""
+        collector.release(freeze=True)
+        if self.config.probe is None:
+            self._probe_device()
 
     def action_screen(self, number: int) -> None:
         self.switch_mode(MODES[number - 1])
@@ -318,8 +322,7 @@ class KVApp(PaletteApp):
         self._launch()
 
     def _launch(self) -> None:
-        """Retire the running engine, if any (its reader ends, closes it and says so), and start
-        the latest run's."""
+        """Retire the running engine, if any (its reader closes it), and start the latest run's."""
         if self.engine is not None:
             self.engine.stop()
         self._stop_reading.set()
@@ -346,8 +349,7 @@ class KVApp(PaletteApp):
         self.notify(f"Restarted with engine {safe_text(engine)}", timeout=3, markup=False)
 
     def action_restart(self) -> None:
-        """Run again, the chosen length (capped to what the model holds), on the chosen KV
-        budget."""
+        """Run again: the chosen length (capped to what the model holds), batch and KV budget."""
         chosen = replace(
             self.live.settings, tokens=self.length, kv_budget_bytes=self.kv_budget, batch=self.batch
         )
@@ -466,8 +468,7 @@ class KVApp(PaletteApp):
         )
 
     def _say_stopped(self, words: str, title: str = "Engine stopped") -> None:
-        """Notify that the run's engine stopped or failed, in words that may hold an engine's
-        own (as text, never markup)."""
+        """Notify that the run's engine stopped or failed (`words` as text, never markup)."""
         self.notify(words, title=title, markup=False, severity="error", timeout=8)
 
 
@@ -485,9 +486,8 @@ def make_app(
 
 
 def run_app(settings: RunSettings, screen: int = 1, **options: Any) -> int:
-    """Open the app on a screen, run it, and return its exit code; SIGINT, SIGTERM and SIGHUP
-    end it as `q` does, with the code a shell expects (kvtui.terminal.ended_by_signals).
-    `options`: AppConfig's (present, theme, kv_events)."""
+    """Open the app on a screen, run it, and return its exit code (SIGINT, SIGTERM and SIGHUP
+    end it as `q` does: kvtui.terminal.ended_by_signals); `options`: AppConfig's."""
     try:
         app = make_app(settings, screen, **options)
     except DriverError as exc:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvtui import __version__
+from kvtui import __version__, collector
 from kvtui.engines.protocol import DEFAULT_PROMPT
 from kvtui.errors import EngineError
 from kvtui.format import (
@@ -67,7 +67,9 @@ cleanup (a record kept whole, no temporary file or folder left, the requests clo
 def cmd_app(args: argparse.Namespace) -> int:
     """`kvtui` with no subcommand: open the Textual app (imported only now). Its title card is
     on the terminal first, moving, while the app imports and draws its first frame (`TitleCard`):
-    the better part of a second that was a blank terminal."""
+    the better part of a second that was a blank terminal. Python's collector is held until the
+    app's first frame (kvtui.collector)."""
+    collector.hold()
     card = TitleCard() if has_terminal() else None
     try:
         from kvtui.engines.factory import check_engine
@@ -95,6 +97,7 @@ def cmd_app(args: argparse.Namespace) -> int:
             kv_events=args.kv_events,
         )
     finally:
+        collector.release(freeze=False)  # where the app ended before its first frame
         if card is not None:
             card.close()
     return int(code or 0)
