@@ -63,7 +63,7 @@ KEYS = ("first_drawn_s", "first_frame_s", "first_token_s", "after_l_first_token_
 TOKENS = re.compile(r"─ ?\d[\d,]* tokens ─")
 """The token stream's subtitle once a token has arrived ("─ 1 tokens ─╯")."""
 STARTING = re.compile(r"starting the engine[^│]*")
-PRESENT_TITLE = "A real model decodes"
+PRESENT_TITLE = "A model decodes beside this screen"
 """The title slide's sentence, in words on every size (the name and subtitle are large type)."""
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 

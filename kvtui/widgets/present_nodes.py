@@ -15,6 +15,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvtui.bigtext import IDEA, SUBTITLE, TITLE
 from kvtui.engines.protocol import Loop
 from kvtui.format import format_bytes, format_count, format_percent, format_ratio
 from kvtui.run.live import LiveRun
@@ -319,13 +320,7 @@ def room_pool_bytes(live: LivePool, length: int) -> int | None:
 
 
 NODES: tuple[Node, ...] = (
-    Node(
-        "kvtui · why LLM decoding needs a KV cache",
-        "kvtui",
-        "A model decodes beside this screen, with and without a cache: every figure says if "
-        "it is measured, recorded or modelled. Space moves on.",
-        "title",
-    ),
+    Node(f"{TITLE} · {SUBTITLE}", TITLE, IDEA, "title"),  # the title card's, as the CLI draws it
     Node(
         "1 · Without a cache, every step redoes the whole history",
         "1 Without a cache",
