@@ -223,11 +223,11 @@ class KVApp(PaletteApp):
             self.start_run()
 
     def on_ready(self) -> None:
-        """The first frame is drawn: the launch's hold on Python's collector ends
-        (kvtui.collector), and the device is probed (its imports and NVML hold the GIL)."""
-        collector.release(freeze=True)
+        """A first frame is drawn (perhaps of the screen the shown one replaces): after the shown
+        one's, the launch's hold on the collector ends (kvtui.collector); the device is probed."""
+        self.call_after_refresh(collector.release, freeze=True)
         if self.config.probe is None:
-            self._probe_device()
+            self.call_after_refresh(self._probe_device)
 
     def action_screen(self, number: int) -> None:
         self.switch_mode(MODES[number - 1])

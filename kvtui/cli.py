@@ -69,9 +69,9 @@ def cmd_app(args: argparse.Namespace) -> int:
     on the terminal first, moving, while the app imports and draws its first frame (`TitleCard`):
     the better part of a second that was a blank terminal. Python's collector is held until the
     app's first frame (kvtui.collector)."""
-    collector.hold()
     card = TitleCard() if has_terminal() else None
     try:
+        collector.hold()
         from kvtui.engines.factory import check_engine
 
         settings = settings_from_args(args, default_tokens=DEFAULT_APP_TOKENS)

@@ -2,12 +2,13 @@
 
 A launch allocates tens of thousands of objects (modules, classes, the app's widgets and styles)
 and frees almost none, so each pass the collector makes over them on the way to the first frame
-finds next to nothing, and is time before it (about 0.04 s of 0.5 at 80x24 here:
-benchmarks/first_token.py). `kvtui`'s launch (kvtui.cli) holds the collector, and the app
-releases it once its first frame is drawn (Textual's `Ready`): the launch's garbage is collected
-once, what is left (what lives as long as the app) is frozen out of the collector's later passes
-(`gc.freeze`, CPython's own advice for what a process builds at its start), and the collector
-resumes. A launch that ends before its first frame only resumes it.
+finds next to nothing, and is time before it: 0.037-0.044 s of passes at 80x24 here, one of
+them over every object (timed with `gc.callbacks`: benchmarks/README.md). `kvtui`'s launch
+(kvtui.cli) holds the collector, and the app releases it once its first frame is drawn: the
+launch's garbage is collected once, what is left (mostly what lives as long as the app) is
+frozen out of the collector's later passes (`gc.freeze`; a frozen object is still freed when
+nothing refers to it), and the collector resumes. A launch that ends before its first frame only
+resumes it.
 
 The hold is this module's alone: where kvtui did not take it (a test, `kvtui.testing`, a program
 that turned the collector off itself), `release` does nothing.

@@ -203,6 +203,20 @@ def argv_text(text: str) -> str:
 
 _NOT_A_BYTE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
+MAX_COLUMNS, MAX_ROWS = 1_000, 500
+"""The largest terminal kvtui draws. An 8K display in a 6-pixel font is about 1,000 x 400 cells;
+a page claiming 4,000 x 4,000 had an app lay out and draw 16 million cells a frame (its first
+frame took minutes)."""
+
+
+def terminal_size(width: Any, height: Any) -> tuple[int, int]:
+    """A terminal's size as a page declares it (kvtui serve's: in its URL, then with each
+    resize), in cells: clamped to 1..MAX_COLUMNS by 1..MAX_ROWS (a size of 0 is laid out never,
+    so the app would never draw), and refused where either is not an integer."""
+    if not (_is_int(width) and _is_int(height)):
+        raise InputError(f"a terminal size of {width!r:.20} x {height!r:.20} cells")
+    return max(1, min(MAX_COLUMNS, width)), max(1, min(MAX_ROWS, height))
+
 
 def read_lines(path: Path, limit: int, line_limit: int) -> Generator[tuple[int, str], None, None]:
     """(number, text) of each line of a regular UTF-8 file of at most `limit` bytes, whose lines

@@ -40,6 +40,7 @@ from urllib.parse import urlsplit
 from kvtui.engines.protocol import RunSettings
 from kvtui.errors import EngineError
 from kvtui.format import error_line, safe_text
+from kvtui.inputs import terminal_size
 from kvtui.options import DEFAULT_APP_TOKENS, UsageError, add_run_options, int_in
 
 DEFAULT_HOST = "127.0.0.1"
@@ -354,6 +355,9 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int, *
             self._stdin = process.stdin
             return process
 
+        async def set_terminal_size(self, width: int, height: int) -> None:
+            await super().set_terminal_size(*terminal_size(width, height))  # as the page says
+
         async def end(self, grace: float) -> None:
             """Ask the app to quit (it stops its engine), then kill whatever is left."""
             process = self._process
@@ -445,7 +449,7 @@ def make_server(command: str, sockets: list[socket.socket], max_sessions: int, *
             try:
                 width = to_int(request.query.get("width", "80"), 80)
                 height = to_int(request.query.get("height", "24"), 24)
-                await service.start(width, height)
+                await service.start(*terminal_size(width, height))
                 await self._process_messages(websocket, service)
             except asyncio.CancelledError:
                 await websocket.close()

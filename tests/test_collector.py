@@ -1,6 +1,7 @@
 """Python's collector at launch (kvtui.collector): the launch holds it, the app's first frame
 releases it (the launch's garbage collected once, the rest frozen), and nothing else is touched:
-a launch that ends early resumes it, and an app nobody held freezes nothing."""
+a launch that ends early resumes it, and an app nobody held freezes nothing. The device probe
+starts at that same first frame."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import pytest
 
 import kvtui.app
 import kvtui.cli
+import kvtui.gpu.probe
 from kvtui import collector
-from kvtui.app import KVApp, make_app
+from kvtui.app import make_app
 from kvtui.cli import main
 
 NO_GPU = {"probe": "null", "description": "no GPU"}
+OPENINGS = {"screen 1": {}, "screen 2": {"screen": 2}, "screen 3": {"screen": 3}}
+OPENINGS["presenter mode"] = {"present": True}
 
 
 @pytest.fixture(autouse=True)
@@ -32,22 +36,24 @@ class Cycle:
         self.me = self
 
 
-async def first_frame(monkeypatch) -> None:
-    """Run the app headless until its first frame is drawn (Textual's `Ready` handled), then
-    quit."""
-    drawn = []
-    on_ready = KVApp.on_ready
-    monkeypatch.setattr(KVApp, "on_ready", lambda app: (on_ready(app), drawn.append(True)))
-    app = make_app(autostart=False, probe=NO_GPU)
+async def first_frame(monkeypatch, until=lambda app: True, **options) -> kvtui.app.KVApp:
+    """Run the app headless until its first frame is drawn and the app has released the
+    collector (as it does then, held or not), and `until(app)` holds; then quit. The app."""
+    released = []
+    release = collector.release
+    monkeypatch.setattr(collector, "release", lambda **k: (release(**k), released.append(k)))
+    app = make_app(autostart=False, **({"probe": NO_GPU} | options))
     async with app.run_test(size=(80, 24)) as pilot:
-        for _ in range(50):  # a pause is a round of the app's messages, not a time
-            if drawn:
+        for _ in range(100):  # a pause is a round of the app's messages, not a time
+            if released and until(app):
                 break
             await pilot.pause()
-    assert drawn, "the app never drew its first frame"
+    assert released == [{"freeze": True}], "the app's first frame did not release the collector"
+    return app
 
 
-async def test_the_first_frame_releases_the_launch_hold(monkeypatch):
+@pytest.mark.parametrize("options", OPENINGS.values(), ids=OPENINGS.keys())
+async def test_the_first_frame_releases_the_launch_hold(monkeypatch, options):
     collector.hold()
     assert not gc.isenabled()
     garbage = Cycle()
@@ -56,7 +62,7 @@ async def test_the_first_frame_releases_the_launch_hold(monkeypatch):
     assert gone() is not None  # held: nothing collects the cycle
     frozen_before = gc.get_freeze_count()
 
-    await first_frame(monkeypatch)
+    await first_frame(monkeypatch, **options)
 
     assert gc.isenabled()
     assert gone() is None  # collected once, before the freeze
@@ -69,6 +75,20 @@ async def test_an_app_nobody_held_freezes_nothing(monkeypatch):
     await first_frame(monkeypatch)
     assert gc.isenabled()
     assert gc.get_freeze_count() == frozen_before
+
+
+@pytest.mark.parametrize(
+    "probe, said",
+    [(lambda: {"description": "a GPU of the test's"}, "a GPU of the test's"), (None, None)],
+    ids=["answers", "fails"],
+)
+async def test_the_device_is_probed_at_the_first_frame(monkeypatch, probe, said):
+    def failing() -> dict:
+        raise RuntimeError("no NVML here")
+
+    monkeypatch.setattr(kvtui.gpu.probe, "probe_summary", probe or failing)
+    app = await first_frame(monkeypatch, until=lambda app: app.live.probe is not None, probe=None)
+    assert app.live.device_description == (said or "device unknown (the probe failed)")
 
 
 def test_a_collector_turned_off_elsewhere_is_left_off():

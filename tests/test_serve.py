@@ -422,6 +422,46 @@ async def test_a_malformed_message_ends_its_session_in_one_line(served_log, monk
     assert all(line.startswith("kvtui serve: session ") for line in lines), lines
 
 
+SIZE_REPORTER = """
+import os, sys, json
+out = open(sys.argv[1], "w")
+print(json.dumps(["start", os.environ["COLUMNS"], os.environ["ROWS"]]), file=out, flush=True)
+while (kind := sys.stdin.buffer.read(1)) == b"M":  # textual-serve's meta packets
+    size = int.from_bytes(sys.stdin.buffer.read(4), "big")
+    print(sys.stdin.buffer.read(size).decode(), file=out, flush=True)
+"""
+"""An app that writes the size its process starts with, then each meta packet it is sent."""
+
+
+async def test_a_page_says_no_size_the_app_could_not_draw(tmp_path, served_log):
+    """A page's terminal size (its URL's, then each resize) reaches the app within 1..1,000
+    columns by 1..500 rows: 0 is never laid out (the app never drew, never released its launch's
+    hold on the collector), and 4,000 x 4,000 took the app minutes a frame; what is no integer
+    ends the session in one line."""
+    pytest.importorskip("textual_serve")
+    from aiohttp.test_utils import TestClient, TestServer
+
+    said = tmp_path / "said"
+    command = shlex.join([sys.executable, "-c", SIZE_REPORTER, str(said)])
+    server = serve.make_server(command, [], 4)
+    async with TestClient(TestServer(await server._make_app())) as client:
+        websocket = await client.ws_connect("/ws?width=0&height=99999")
+        await websocket.send_str(json.dumps(["resize", {"width": 10**9, "height": -3}]))
+        for _ in range(200):  # the app has read the resize
+            if said.exists() and '"resize"' in said.read_text():
+                break
+            await asyncio.sleep(0.05)
+        await websocket.send_str(json.dumps(["resize", {"width": "80", "height": 24}]))
+        await websocket.receive(timeout=10)  # the last one ends the session: its websocket closes
+        await websocket.close()
+    lines = [json.loads(line) for line in said.read_text().splitlines()]
+    assert lines[0] == ["start", "1", "500"]
+    resizes = [line for line in lines[1:] if line.get("type") == "resize"]
+    assert resizes == [{"type": "resize", "width": 1000, "height": 1}]
+    logged = served_log.getvalue()
+    assert "a terminal size of '80' x 24 cells" in logged and "Traceback" not in logged
+
+
 async def test_the_static_folder_is_not_listed():
     pytest.importorskip("textual_serve")
     from aiohttp.test_utils import TestClient, TestServer
