@@ -292,6 +292,14 @@ def one_present(repo: Path, size: tuple[int, int], timeout: float) -> dict[str, 
     }
 
 
+def compile_checkouts(repos: list[Path]) -> None:
+    """Each checkout's bytecode, as `pip install` leaves it: where PYTHONDONTWRITEBYTECODE is set
+    (as here), a launch would otherwise compile every module it imports, each time, and a
+    measure of the launch would measure the compiler."""
+    for repo in repos:
+        compileall.compile_dir(repo / "kvtui", quiet=1)
+
+
 def median(values: list[object]) -> float | None:
     numbers = [v for v in values if isinstance(v, float)]
     return statistics.median(numbers) if numbers else None
@@ -319,8 +327,7 @@ def main() -> int:
     args = parser.parse_args()
     width, height = (int(n) for n in args.size.split("x"))
     repos = [REPO, *(args.repo or [])]
-    for repo in repos:  # as `pip install` leaves it: a launch that compiles measures the compiler
-        compileall.compile_dir(repo / "kvtui", quiet=1)
+    compile_checkouts(repos)
     if args.present:
         return present_main(args, repos, (width, height))
     runs: dict[str, list[dict[str, object]]] = {str(r): [] for r in repos}
@@ -352,7 +359,7 @@ def main() -> int:
         },
     }
     if len(runs) > 1:  # each launch against the one beside it: the machine's drift cancels
-        first, *others = runs.values()
+        first = next(iter(runs.values()))
         result["first_frame_paired_s"] = {
             name: median(
                 [

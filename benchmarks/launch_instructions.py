@@ -20,7 +20,6 @@ Needs valgrind (Debian's `valgrind`).
 from __future__ import annotations
 
 import argparse
-import compileall
 import json
 import os
 import re
@@ -29,6 +28,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from first_token import compile_checkouts  # this folder's: the script's own folder is on sys.path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -112,8 +113,7 @@ def main() -> int:
         print("launch_instructions.py: needs valgrind (apt-get install valgrind)", file=sys.stderr)
         return 2
     repos = [REPO, *(args.repo or [])]
-    for repo in repos:  # as `pip install` leaves it: a launch that compiles counts the compiler
-        compileall.compile_dir(repo / "kvtui", quiet=1)
+    compile_checkouts(repos)
     jobs = {
         ("python", 0): ("pass", (), None),
         ("bare Textual", 0): (BARE, (str(Path(__file__).parent),), None),
