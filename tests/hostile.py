@@ -32,6 +32,7 @@ from kvtui.engines.drive import run_events
 from kvtui.engines.factory import open_engine
 from kvtui.engines.protocol import RunSettings, to_json
 from kvtui.engines.replay import FORMAT, VERSION
+from tests.ports import free_port
 from tests.test_hostile_inputs import outcome
 
 SIM = RunSettings(engine="sim:gpt2@t4", tokens=3, replay_speed=0)
@@ -499,9 +500,7 @@ class Served:
     """A `kvtui serve` on a free loopback port, its stderr kept (the presenter's terminal)."""
 
     def __init__(self, scratch: Path, *options: str) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.log = scratch / f"serve-{self.port}.log"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvtui", "serve", "--port", str(self.port), *options],

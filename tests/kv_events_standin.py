@@ -4,7 +4,6 @@ connects to kvtui's bound SUB, in this process, and sends what a test says: vLLM
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -13,14 +12,14 @@ from typing import Any
 import msgpack
 import zmq
 
+from tests.ports import free_port
+
 WAIT_S = 10.0
 
 
-def free_endpoint() -> str:
-    """A loopback tcp endpoint whose port is free now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+def free_endpoint(ranks: int = 1) -> str:
+    """A loopback tcp endpoint whose port, and the `ranks - 1` after it, are free now."""
+    return f"tcp://127.0.0.1:{free_port(ranks)}"
 
 
 def stored(hashes: list[Any], tokens: list[int], parent: int | None = None, size: int = 4) -> dict:

@@ -24,6 +24,7 @@ from kvtui import serve
 from kvtui.cli import build_parser, main
 from kvtui.run.process import child_command
 from kvtui.serve import APP_MAIN
+from tests.ports import free_port
 
 ENGINE = "sim:llama-3.1-8b@h100"
 
@@ -41,12 +42,6 @@ def assert_usage_error(capsys, *argv, says):
     assert "Traceback" not in err
     assert says in err
     return err
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ReadyServer:

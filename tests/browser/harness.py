@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from tests.ports import free_port
 
 CHROMIUM = os.environ.get("KVTUI_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -130,12 +131,6 @@ class ServeProcess:
             self.process.kill()
             self.process.wait(5)
             raise AssertionError(f"kvtui serve did not stop on SIGINT:\n{self.output()}") from None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(*options: str) -> ServeProcess:

@@ -202,7 +202,7 @@ def test_a_data_parallel_servers_ranks_are_heard_each_on_its_port() -> None:
     """`--kv-events ENDPOINT,ranks=2`: rank 1 publishes on the port after ENDPOINT's (vLLM's
     offset), with sequence numbers of its own; both ranks' blocks are held, and no gap is said
     where the two sequences interleave."""
-    endpoint = parse_endpoint(free_endpoint())
+    endpoint = parse_endpoint(free_endpoint(ranks=2))
     feed = ServerBlocksFeed(endpoint, ranks=2)
     ranks = [StandIn(str(endpoint)), StandIn(str(endpoint.for_rank(1)))]
     try:

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+
+from tests.ports import free_port
 
 VLLM_PYTHON = "KVTUI_VLLM_PYTHON"
 START_TIMEOUT_S = 400.0
@@ -156,13 +157,13 @@ class VLLMServer:
         self.model: Path | None = None
         """The export it serves (`shared_export`), once started here."""
         self.log = Path(os.environ.get(setting.log_variable) or self.folder / "server.log")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = self.external or f"http://127.0.0.1:{self.port}"
         self.events_endpoint = (
             (
                 os.environ.get(setting.events_variable)
                 if self.external
-                else f"tcp://127.0.0.1:{_free_port()}"
+                else f"tcp://127.0.0.1:{free_port()}"
             )
             if setting.events_variable
             else None
@@ -292,9 +293,3 @@ def spawn(command: list[str], log: IO[bytes], env: dict[str, str]) -> subprocess
         start_new_session=True,
         preexec_fn=die_with_parent if sys.platform == "linux" else None,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

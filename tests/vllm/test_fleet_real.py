@@ -6,8 +6,6 @@ alone, so that a fix to that reading flows into the fleet's rows."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from kvtui.app import make_app
@@ -15,6 +13,7 @@ from kvtui.cli import main
 from kvtui.engines.protocol import RunSettings
 from kvtui.reports.bench import run_bench
 from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
+from tests.ports import free_port
 
 from .server import BLOCK_TOKENS, SECOND_BLOCK_TOKENS, VLLMServer
 
@@ -30,9 +29,7 @@ def settings(*servers: VLLMServer | str, tokens: int = TOKENS) -> RunSettings:
 
 def closed_port() -> str:
     """A loopback URL nothing listens on (a replica gone)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def test_bench_gives_a_server_per_replica_each_as_its_own_reading(vllm_server, vllm_server_b):

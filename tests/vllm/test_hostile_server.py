@@ -25,6 +25,7 @@ from kvtui.engines.vllm.client import Server, ServerError
 from kvtui.engines.vllm.metrics import server_metrics
 from kvtui.engines.vllm.url import ServerURL
 from kvtui.testing import NO_GPU_PROBE, screen_text, wait_for
+from tests.ports import free_port
 
 from .fake import METRICS, FakeVLLM
 
@@ -64,14 +65,6 @@ def run_engine(url: str, tokens: int = 8) -> list[Any]:
         return list(run_events(engine, settings(url, tokens), RunControl()))
     finally:
         engine.close()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def one_line_exit_2(capsys: Any, argv: list[str], says: str) -> str:
@@ -120,8 +113,8 @@ def test_a_stream_of_keep_alives_without_a_token_ends(serve, monkeypatch):
 
 def test_a_stream_line_sent_a_byte_at_a_time_is_cut(serve, monkeypatch):
     """A line of the stream whose bytes come one by one: a line once begun must be whole within
-    READ_WAIT_S (here 0.5 s), where the stream waited as long as bytes came."""
-    monkeypatch.setattr(client, "READ_WAIT_S", 0.5)
+    LINE_WAIT_S (here 0.5 s), where the stream waited as long as bytes came."""
+    monkeypatch.setattr(client, "LINE_WAIT_S", 0.5)
     server = serve(drip_s=0.05, drip_paths=("/v1/completions",))
     events = within(15, lambda: run_engine(server.url))
     finished = [e for e in events if isinstance(e, RunFinished)]

@@ -16,7 +16,7 @@ The bounds, each a constant below:
   REQUEST_DEADLINE_S. A stream's deadline moves on only with a token: the first must come within
   STREAM_IDLE_S (a request waits, sending nothing, while the server has no KV-cache room), and
   each later one within STREAM_IDLE_S of the one before (a keep-alive comment is no token); a
-  line once begun must end within READ_WAIT_S; and the caller gives the stream's end
+  line once begun must end within LINE_WAIT_S; and the caller gives the stream's end
   (`EventStream.until`). `EventStream.close()`, from any thread, shuts the socket under a read
   blocked in another (http.client drops its own reference on `Connection: close`; the clock keeps
   one);
@@ -49,6 +49,11 @@ from kvtui.inputs import parse_json
 
 READ_WAIT_S = 5.0
 """The longest any one wait for the server may take: a connection, a read, a line once begun."""
+LINE_WAIT_S = 30.0
+"""The longest a line of a stream may take, from its first byte to its newline: a server that
+drips one line's bytes is cut then, not STREAM_IDLE_S after its last token. A server writes a line
+at once; what can hold the rest back is its event loop, on a machine it saturates (vLLM on two
+cores, its requests 20 s from their first token, once took over 5 s)."""
 REQUEST_DEADLINE_S = 10.0
 """The longest a plain request (a model list, /metrics, a tokenized prompt) may take, whole."""
 STREAM_IDLE_S = 120.0
@@ -319,7 +324,7 @@ class Server:
         until = min(until, self.until)
         # a request vLLM queues (no KV room, or --max-num-seqs running) may get nothing until it
         # is scheduled: its headers and first token may take STREAM_IDLE_S, not READ_WAIT_S (56
-        # of 120 requests of a fill failed so at max-num-seqs 4); a line once begun READ_WAIT_S
+        # of 120 requests of a fill failed so at max-num-seqs 4); a line once begun LINE_WAIT_S
         clock = _Clock(min(until, _now() + STREAM_IDLE_S), wait=STREAM_IDLE_S)
         conn, response = self._request("POST", path, body, clock)
         clock.wait = READ_WAIT_S
@@ -374,7 +379,7 @@ class EventStream:
         self.max_bytes = min(self.max_bytes, self.read_bytes + extra_bytes)
 
     def _lines(self) -> Iterator[bytes]:
-        """The stream's lines, each whole within READ_WAIT_S of its first byte, at most
+        """The stream's lines, each whole within LINE_WAIT_S of its first byte, at most
         MAX_LINE_BYTES, all of them at most `max_bytes`, none read after the deadline."""
         pending = bytearray()
         began: float | None = None
@@ -388,9 +393,9 @@ class EventStream:
                     else f"sent no token for {STREAM_IDLE_S:g} s"
                 )
             else:
-                self._clock.deadline = min(self._idle_until, began + READ_WAIT_S)
-                self._clock.wait = READ_WAIT_S
-                self._late = f"sent a line too slowly (not whole within {READ_WAIT_S:g} s)"
+                self._clock.deadline = min(self._idle_until, began + LINE_WAIT_S)
+                self._clock.wait = LINE_WAIT_S
+                self._late = f"sent a line too slowly (not whole within {LINE_WAIT_S:g} s)"
             chunk = self._response.read1(_READ_CHUNK)
             if not chunk:
                 return
