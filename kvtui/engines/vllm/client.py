@@ -11,11 +11,11 @@ http://127.0.0.1:8000: connection refused"), never a traceback.
 The bounds, each a constant below:
 
 - time: each request has a deadline for the whole of it, kept by the socket itself (`_Clock`): a
-  read waits at most READ_WAIT_S and never past the deadline, so a server that sends one byte a
-  second keeps no request alive past it. A plain request (JSON, text) is whole within
-  REQUEST_DEADLINE_S. A stream's deadline moves on only with a token: the first must come within
-  STREAM_IDLE_S (a request waits, sending nothing, while the server has no KV-cache room), and
-  each later one within STREAM_IDLE_S of the one before (a keep-alive comment is no token); a
+  read waits at most READ_WAIT_S (a stream's, as below) and never past the deadline, so a server
+  that sends one byte a second keeps no request alive past it. A plain request (JSON, text) is whole
+  within REQUEST_DEADLINE_S. A stream's deadline moves on only with a token: the first must come
+  within STREAM_IDLE_S (a request waits, sending nothing, while the server has no KV-cache room),
+  and each later one within STREAM_IDLE_S of the one before (a keep-alive comment is no token); a
   line once begun must end within LINE_WAIT_S; and the caller gives the stream's end
   (`EventStream.until`). `EventStream.close()`, from any thread, shuts the socket under a read
   blocked in another (http.client drops its own reference on `Connection: close`; the clock keeps
@@ -48,7 +48,8 @@ from kvtui.format import safe_text
 from kvtui.inputs import parse_json
 
 READ_WAIT_S = 5.0
-"""The longest any one wait for the server may take: a connection, a read, a line once begun."""
+"""The longest any one wait for the server may take (a connection, a read), but for the rest of a
+stream's line once begun (LINE_WAIT_S) and a stream's next token (STREAM_IDLE_S)."""
 LINE_WAIT_S = 30.0
 """The longest a line of a stream may take, from its first byte to its newline: a server that
 drips one line's bytes is cut then, not STREAM_IDLE_S after its last token. A server writes a line
